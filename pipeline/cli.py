@@ -1,0 +1,72 @@
+"""quantize-eval: which quantized variant do we ship, and what does it cost?
+
+    quantize-eval RECIPE            run (same as `run RECIPE`); exit 0 pass, 1 a gate fails
+    quantize-eval run RECIPE [--fresh]
+    quantize-eval validate RECIPE   check a recipe without running anything
+    quantize-eval report RUN_DIR    re-render report.html/results.json from a run folder
+
+Bad input exits 2 with one line naming the field or file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+USAGE_ERROR = 2
+
+
+def fail(msg: str) -> int:
+    print(f"quantize-eval: error: {msg}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in ("run", "validate", "report", "-h", "--help"):
+        argv.insert(0, "run")
+    parser = argparse.ArgumentParser(prog="quantize-eval", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_run = sub.add_parser("run", help="run a recipe end to end")
+    p_run.add_argument("recipe")
+    p_run.add_argument("--fresh", action="store_true", help="start a new run folder, no resume")
+    p_val = sub.add_parser("validate", help="check a recipe without running anything")
+    p_val.add_argument("recipe")
+    p_rep = sub.add_parser("report", help="re-render the report of a run folder")
+    p_rep.add_argument("run_dir")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return USAGE_ERROR if exc.code else 0
+
+    from pipeline.recipe import RecipeError, load
+
+    if args.cmd == "report":
+        from reports.render import ReportError, render_run
+
+        try:
+            print(render_run(Path(args.run_dir)))
+        except ReportError as exc:
+            return fail(str(exc))
+        return 0
+    try:
+        recipe = load(args.recipe)
+    except RecipeError as exc:
+        return fail(str(exc))
+    if args.cmd == "validate":
+        print(f"{args.recipe}: ok ({len(recipe.variants)} variant(s) + baseline, "
+              f"{len(recipe.gates)} gate(s))")
+        return 0
+    from pipeline import runner
+
+    try:
+        return runner.run(recipe, Path(args.recipe), fresh=args.fresh)
+    except KeyboardInterrupt:
+        print("\ninterrupted: finished stages are kept; rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Closed-loop streaming load at a fixed concurrency against an OpenAI-compatible server.
+
+`concurrency` workers each send one request at a time until `num_requests` are done, so
+exactly that many are in flight (the same definition `vllm bench serve
+--max-concurrency` uses). Each request streams; timers run on the client:
+
+    TTFT  request sent -> first streamed token chunk received
+    ITL   gaps between consecutive token chunks
+    TPOT  (e2e - TTFT) / (output tokens - 1)
+    e2e   request sent -> end of stream
+
+Prompts are exact-length token-id lists cut from real text, each distinct, so the prefix
+cache is cold for measured requests (said in the result).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pipeline import stats
+
+
+@dataclass
+class RequestRecord:
+    ok: bool
+    timed_out: bool = False
+    error: str = ""
+    ttft: float | None = None
+    e2e: float | None = None
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ok and self.output_tokens > 1 and self.ttft is not None:
+            return (self.e2e - self.ttft) / (self.output_tokens - 1)
+        return None
+
+
+def one_request(port: int, model: str, prompt: list[int], max_tokens: int, timeout: float) -> RequestRecord:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
+                       "ignore_eos": True, "temperature": 0.0, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    rec = RequestRecord(ok=False)
+    t0 = time.perf_counter()
+    last = None
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            rec.error = f"HTTP {resp.status}: {resp.read()[:200]!r}"
+            return rec
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            now = time.perf_counter()
+            if chunk.get("usage"):
+                rec.output_tokens = chunk["usage"]["completion_tokens"]
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                if last is None:
+                    rec.ttft = now - t0
+                else:
+                    rec.itls.append(now - last)
+                last = now
+            if time.perf_counter() - t0 > timeout:
+                raise TimeoutError
+        rec.e2e = time.perf_counter() - t0
+        rec.ok = rec.ttft is not None and rec.output_tokens > 0
+        if not rec.ok:
+            rec.error = "stream ended without tokens"
+    except (TimeoutError, OSError) as exc:
+        rec.timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc)
+        rec.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+    return rec
+
+
+def run_closed_loop(port: int, model: str, prompts: list[list[int]], max_tokens: int,
+                    concurrency: int, timeout: float) -> tuple[list[RequestRecord], float]:
+    """Send every prompt with `concurrency` in flight; return records and wall seconds."""
+    records: list[RequestRecord | None] = [None] * len(prompts)
+    next_i = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next(next_i, None)
+            if i is None:
+                return
+            records[i] = one_request(port, model, prompts[i], max_tokens, timeout)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [r for r in records if r is not None], time.perf_counter() - t0
+
+
+def summarize(records: list[RequestRecord], wall_s: float) -> dict:
+    ok = [r for r in records if r.ok]
+    ms = lambda xs: [x * 1000 for x in xs if x is not None]  # noqa: E731
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "ttft_ms": stats.percentiles(ms(r.ttft for r in ok)),
+        "tpot_ms": stats.percentiles(ms(r.tpot for r in ok)),
+        "itl_ms": stats.percentiles(ms(x for r in ok for x in r.itls)),
+        "e2e_ms": stats.percentiles(ms(r.e2e for r in ok)),
+        "completed": len(ok),
+        "failed": sum(1 for r in records if not r.ok and not r.timed_out),
+        "timed_out": sum(1 for r in records if r.timed_out),
+        "output_tokens": out_tokens,
+        "duration_s": wall_s,
+        "output_tok_per_s": out_tokens / wall_s if wall_s > 0 else 0.0,
+        "request_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+    }

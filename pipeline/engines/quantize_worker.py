@@ -1,0 +1,145 @@
+"""Quantize one model with llm-compressor `oneshot`. Runs under the *quantize* environment.
+
+llm-compressor pins a compressed-tensors release that vllm cannot share, so this file is
+the only one that imports llmcompressor, and it runs as its own process:
+
+    <quantize-env>/bin/python -m pipeline.engines.quantize_worker SPEC.json RESULT.json
+
+SPEC names the model directory, output directory, scheme, calibration JSONL and sizes;
+RESULT gets wall time, peak RSS, the llm-compressor recipe used and library versions.
+The checkpoint keeps the recipe (llm-compressor writes recipe.yaml beside the weights).
+It imports nothing from this package but the standard library, on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+
+def weight_args(bits: int, group_size: int | None, symmetric: bool) -> dict:
+    w = {"num_bits": bits, "type": "int", "symmetric": symmetric, "dynamic": False}
+    if group_size is None:
+        w["strategy"] = "channel"
+    else:
+        w.update(strategy="group", group_size=group_size)
+    return w
+
+
+def build_recipe(spec: dict) -> dict:
+    """The llm-compressor recipe for a scheme, as the YAML mapping oneshot reads."""
+    scheme, ignore = spec["scheme"], list(spec["ignore"])
+    group = {"group_0": {"targets": ["Linear"],
+                         "weights": weight_args(4, spec["group_size"], scheme != "awq_w4a16")}}
+    quant = {"targets": ["Linear"], "ignore": ignore, "config_groups": group}
+    if scheme == "awq_w4a16":
+        # AWQ only rescales channels; the quantization modifier after it does the rounding
+        # (targets/ignore/scheme under AWQModifier itself are rejected in 0.14).
+        mods = {"AWQModifier": {"duo_scaling": True}, "QuantizationModifier": quant}
+    elif scheme == "gptq_w4a16":
+        mods = {"GPTQModifier": {**quant, "dampening_frac": 0.01}}
+    elif scheme == "rtn_w4a16":
+        mods = {"QuantizationModifier": quant}
+    else:
+        raise SystemExit(f"quantize_worker: unknown scheme {scheme!r}")
+    return {"quant_stage": {"quant_modifiers": mods}}
+
+
+def calibration_dataset(spec: dict, tokenizer):
+    from datasets import Dataset
+
+    texts = []
+    with open(spec["calibration_file"]) as f:
+        for line in f:
+            if line.strip():
+                texts.append(json.loads(line)["text"])
+            if len(texts) >= spec["num_samples"]:
+                break
+    enc = tokenizer(texts, max_length=spec["max_seq_len"], truncation=True, padding=False)
+    return Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+
+
+def patch_cpu_only() -> None:
+    """llm-compressor 0.13/0.14 AWQ pins intermediates unconditionally; pinning needs an
+    accelerator ("Cannot access accelerator device when none is available"). Pinning only
+    speeds host->device copies, so without an accelerator it is correctly a no-op."""
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if not torch.accelerator.is_available():
+        IntermediatesCache.pin_memory = lambda self, *a, **k: None
+
+
+def restore_dtype(out: Path, dtype: str) -> None:
+    """Calibrating in float32 (fast on CPUs without native bf16) saves float tensors as
+    float32; cast them back to the model's own dtype so checkpoint sizes compare fairly.
+    Packed integer weights are untouched; scales round to the dtype they would have had."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target = getattr(torch, dtype)
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = load_file(f)
+        cast = {k: (v.to(target) if v.is_floating_point() and v.dtype != target else v)
+                for k, v in tensors.items()}
+        save_file(cast, f, metadata={"format": "pt"})
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["dtype"] = dtype
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def main(spec_path: str, result_path: str) -> None:
+    import yaml
+
+    spec = json.loads(Path(spec_path).read_text())
+    t0 = time.perf_counter()
+    import compressed_tensors
+    import llmcompressor
+    import torch
+    import transformers
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    patch_cpu_only()
+    torch.manual_seed(spec.get("seed", 0))
+    out = Path(spec["out_dir"])
+    recipe = build_recipe(spec)
+    recipe_text = yaml.safe_dump(recipe, sort_keys=False)
+    tok = AutoTokenizer.from_pretrained(spec["model_dir"], trust_remote_code=spec["trust_remote_code"])
+    cfg = json.loads((Path(spec["model_dir"]) / "config.json").read_text())
+    model_dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["model_dir"], dtype=spec.get("calibration_dtype", "auto"), trust_remote_code=spec["trust_remote_code"])
+    ds = calibration_dataset(spec, tok)
+    oneshot(model=model, tokenizer=tok, recipe=recipe_text, dataset=ds,
+            num_calibration_samples=len(ds), max_seq_length=spec["max_seq_len"],
+            shuffle_calibration_samples=False, output_dir=str(out))
+    tok.save_pretrained(out)
+    if spec.get("calibration_dtype", "auto") not in ("auto", model_dtype):
+        restore_dtype(out, model_dtype)
+    if not (out / "recipe.yaml").exists():  # the checkpoint must say how it was made
+        (out / "recipe.yaml").write_text(recipe_text)
+    wall = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    result = {
+        "wall_s": wall, "peak_rss_bytes": peak, "recipe": recipe_text,
+        "calibration_sequences": len(ds),
+        "calibration_tokens": int(sum(len(x) for x in ds["input_ids"])),
+        "versions": {"llmcompressor": llmcompressor.__version__,
+                     "compressed-tensors": compressed_tensors.__version__,
+                     "transformers": transformers.__version__, "torch": torch.__version__},
+    }
+    tmp = result_path + ".tmp"
+    Path(tmp).write_text(json.dumps(result, indent=2))
+    os.replace(tmp, result_path)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m pipeline.engines.quantize_worker SPEC.json RESULT.json")
+    main(sys.argv[1], sys.argv[2])

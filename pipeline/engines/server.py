@@ -1,0 +1,210 @@
+"""One vLLM OpenAI-compatible server per variant: started, watched, and always reaped.
+
+The server is the engine's own process tree (API server, EngineCore, Worker). We bind it to
+127.0.0.1 on a free port, in its own process group so it is killed whole on error or
+Ctrl-C, sample the tree's memory while it runs, and read KV capacity from its /metrics.
+The same command line serves the baseline and every variant: only --model differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+SERVED_NAME = "model"
+
+
+class EngineError(Exception):
+    """The engine failed to start, crashed or timed out; message says which and why."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_args(engine, dtype: str) -> list[str]:
+    """CLI arguments shared by every variant (the controlled part of the experiment)."""
+    args = ["--max-model-len", str(engine.max_model_len), "--max-num-seqs", str(engine.max_num_seqs),
+            "--dtype", dtype, "--seed", str(engine.seed),
+            "--kv-cache-memory-bytes", str(int(engine.kv_cache_gib * 2**30))]
+    if engine.enforce_eager:
+        args.append("--enforce-eager")
+    return args
+
+
+def engine_env(engine) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE=str(engine.kv_cache_gib))
+    return env
+
+
+@dataclass
+class MemorySampler:
+    """Peak RSS summed over the engine's process tree, sampled every `interval` s."""
+
+    root_pid: int
+    interval: float = 0.25
+    peak_tree_rss: int = 0
+    hwm: dict[int, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def _sample(self) -> None:
+        try:
+            root = psutil.Process(self.root_pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+                with open(f"/proc/{p.pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmHWM:"):
+                            self.hwm[p.pid] = int(line.split()[1]) * 1024
+            except (psutil.NoSuchProcess, OSError):
+                continue
+        self.peak_tree_rss = max(self.peak_tree_rss, total)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def start(self) -> MemorySampler:
+        threading.Thread(target=self._loop, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._sample()
+        self._stop.set()
+
+
+class Server:
+    def __init__(self, model_dir: Path, engine, dtype: str, log_path: Path, trust_remote_code: bool):
+        self.model_dir, self.engine, self.dtype = model_dir, engine, dtype
+        self.log_path, self.trust_remote_code = log_path, trust_remote_code
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.memory: MemorySampler | None = None
+        self.start_s: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
+               "--host", "127.0.0.1", "--port", str(self.port), "--disable-uvicorn-access-log",
+               *engine_args(self.engine, self.dtype)]
+        if self.trust_remote_code:
+            cmd.append("--trust-remote-code")
+        return cmd
+
+    def __enter__(self) -> Server:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=engine_env(self.engine),
+                                     start_new_session=True)
+        log.close()
+        self.memory = MemorySampler(self.proc.pid).start()
+        try:
+            self._wait_ready(t0)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.perf_counter() - t0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _log_tail(self, n: int = 3) -> str:
+        try:
+            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        errs = [ln for ln in lines if "Error" in ln or "error" in ln]
+        return " | ".join((errs or lines)[-n:])[-600:]
+
+    def _wait_ready(self, t0: float) -> None:
+        deadline = t0 + self.engine.startup_timeout_s
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineError(f"engine exited with code {self.proc.returncode} while starting: "
+                                  f"{self._log_tail()} (log: {self.log_path})")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise EngineError(f"engine not ready after {self.engine.startup_timeout_s:.0f} s "
+                          f"(engine.startup_timeout_s); log: {self.log_path}")
+
+    def stop(self) -> None:
+        if self.memory:
+            self.memory.stop()
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # children that left the group (none expected) are reaped by pid as well
+        for child in psutil.Process().children(recursive=True):
+            if child.pid in (self.memory.hwm if self.memory else {}):
+                child.kill()
+
+    def cache_config(self) -> dict:
+        """The engine's own KV-cache figures from the vllm:cache_config_info gauge."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        for line in text.splitlines():
+            if line.startswith("vllm:cache_config_info{"):
+                body = line[line.index("{") + 1: line.rindex("}")]
+                labels = {}
+                for part in _split_labels(body):
+                    k, _, v = part.partition("=")
+                    labels[k] = json.loads(v)
+                return labels
+        raise EngineError("engine /metrics has no vllm:cache_config_info")
+
+
+def _split_labels(body: str) -> list[str]:
+    out, cur, quoted = [], "", False
+    for ch in body:
+        if ch == '"':
+            quoted = not quoted
+        if ch == "," and not quoted:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur:
+        out.append(cur)
+    return out

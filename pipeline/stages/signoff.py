@@ -1,0 +1,170 @@
+"""Sign-off: paired quality statistics, gate outcomes and a verdict per variant.
+
+Pure: reads result objects, writes nothing. Quality is paired item by item with the
+baseline (flips, exact McNemar with Holm correction across slices, paired-bootstrap CI
+of the delta). A gate on a metric with a CI is judged on the CI's conservative end:
+the lower bound for `>=`, the upper bound for `<=`. Exit code: 0 when no fail gate
+fails, 1 otherwise (a variant that failed to run also fails the run).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline import metrics, stats
+from pipeline.results import (
+    GateOutcome,
+    Measured,
+    PairedSlice,
+    QualityResult,
+    Signoff,
+    SystemsResult,
+    VariantSignoff,
+)
+
+
+def load_samples(vdir: Path, quality: QualityResult, suite: str) -> dict[int, int]:
+    path = vdir / quality.suites[suite].samples_file
+    return {r["doc_id"]: r["correct"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def paired_slices(base_dir: Path, base_q: QualityResult, var_dir: Path, var_q: QualityResult,
+                  samples: int, seed: int) -> list[PairedSlice]:
+    """One paired comparison per suite plus 'overall' (all suites' items pooled)."""
+    pooled_b, pooled_v, near = [], [], []
+    out = []
+    for suite in base_q.suites:
+        if suite not in var_q.suites:
+            continue
+        b, v = load_samples(base_dir, base_q, suite), load_samples(var_dir, var_q, suite)
+        ids = sorted(set(b) & set(v))
+        bs, vs = [b[i] for i in ids], [v[i] for i in ids]
+        pooled_b += bs
+        pooled_v += vs
+        near.append(base_q.suites[suite].near_chance)
+        out.append(_paired(suite, bs, vs, samples, seed, base_q.suites[suite].near_chance))
+    adjusted = stats.holm([s.mcnemar_p for s in out])
+    for s, p in zip(out, adjusted):
+        s.mcnemar_p_holm = p
+    if pooled_b:
+        out.append(_paired("overall", pooled_b, pooled_v, samples, seed, all(near)))
+    return out
+
+
+def _paired(name: str, b: list[int], v: list[int], samples: int, seed: int, near: bool) -> PairedSlice:
+    c2w = sum(1 for x, y in zip(b, v) if x == 1 and y == 0)
+    w2c = sum(1 for x, y in zip(b, v) if x == 0 and y == 1)
+    delta, lo, hi = stats.paired_bootstrap_delta(b, v, samples, seed)
+    n = len(b)
+    return PairedSlice(slice=name, n=n, base_acc=sum(b) / n, var_acc=sum(v) / n, delta=delta,
+                       delta_ci_low=lo, delta_ci_high=hi, flips_correct_to_wrong=c2w,
+                       flips_wrong_to_correct=w2c, mcnemar_p=stats.mcnemar_exact(c2w, w2c),
+                       near_chance=near)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b in (None, 0):
+        return None
+    return a / b
+
+
+def systems_metric(name: str, v: SystemsResult, b: SystemsResult) -> Measured:
+    lv, lb = v.latency, b.latency
+    value = None
+    if name == "checkpoint_bytes_ratio":
+        return Measured(value=_ratio(v.checkpoint_bytes, b.checkpoint_bytes))
+    if lv is None or lb is None or v.status != "ok" or b.status != "ok":
+        return Measured(value=None)
+    if name.endswith("_ratio") and name.split("_")[0] in ("ttft", "tpot"):
+        kind, pct = name.split("_")[0], name.split("_")[1]
+        value = _ratio(getattr(getattr(lv, f"{kind}_ms"), pct), getattr(getattr(lb, f"{kind}_ms"), pct))
+    elif name in ("ttft_p99_ms", "tpot_p99_ms"):
+        value = getattr(getattr(lv, name[:-7] + "_ms"), "p99")
+    elif name == "error_rate":
+        total = lv.completed + lv.failed + lv.timed_out
+        value = (lv.failed + lv.timed_out) / total if total else None
+    elif name == "peak_memory_ratio":
+        value = _ratio(v.peak_memory_bytes, b.peak_memory_bytes)
+    elif name == "kv_tokens_ratio":
+        value = _ratio(v.kv.tokens if v.kv else None, b.kv.tokens if b.kv else None)
+    return Measured(value=value)
+
+
+def quality_metric(name: str, scope: str, var_q: QualityResult, paired: list[PairedSlice]) -> Measured:
+    if name == "accuracy":
+        if scope == "overall":
+            k = sum(s.correct for s in var_q.suites.values())
+            n = sum(s.n for s in var_q.suites.values())
+        else:
+            k, n = var_q.suites[scope].correct, var_q.suites[scope].n
+        lo, hi = stats.wilson(k, n)
+        return Measured(value=k / n if n else None, ci_low=lo, ci_high=hi)
+    ps = next((p for p in paired if p.slice == scope), None)
+    if ps is None:
+        return Measured(value=None)
+    return Measured(value=ps.delta, ci_low=ps.delta_ci_low, ci_high=ps.delta_ci_high)
+
+
+def judge(gate, measured: Measured, why_missing: str = "not measured") -> GateOutcome:
+    if measured.value is None:
+        return GateOutcome(metric=gate.metric, scope=gate.scope, op=gate.op, threshold=gate.threshold,
+                           severity=gate.severity, judged_on="-", measured=measured, outcome="N/A",
+                           note=why_missing)
+    if measured.ci_low is not None:
+        judged_on, x = ("CI lower bound", measured.ci_low) if gate.op == ">=" else \
+            ("CI upper bound", measured.ci_high)
+    else:
+        judged_on, x = "point value", measured.value
+    ok = x >= gate.threshold if gate.op == ">=" else x <= gate.threshold
+    outcome = "PASS" if ok else ("FAIL" if gate.severity == "fail" else "WARN")
+    return GateOutcome(metric=gate.metric, scope=gate.scope, op=gate.op, threshold=gate.threshold,
+                       severity=gate.severity, judged_on=judged_on, measured=measured, outcome=outcome)
+
+
+def signoff(recipe, recipe_hash: str, run_root: Path, results: dict[str, dict]) -> Signoff:
+    """results[variant] = {"quality": QualityResult|None, "systems": ..., "error": str|None}."""
+    base = results["baseline"]
+    base_q, base_s = base.get("quality"), base.get("systems")
+    verdicts = []
+    for v in recipe.variants:
+        r = results.get(v.name, {})
+        if r.get("skipped"):
+            verdicts.append(VariantSignoff(variant=v.name, verdict="SKIPPED", reason=r["skipped"]))
+            continue
+        err = r.get("error") or base.get("error")
+        if err or r.get("quality") is None or r.get("systems") is None:
+            why = r.get("error") or (f"baseline failed: {base.get('error')}" if base.get("error")
+                                     else "results missing")
+            verdicts.append(VariantSignoff(variant=v.name, verdict="FAILED-TO-RUN", reason=why))
+            continue
+        q, s = r["quality"], r["systems"]
+        paired = paired_slices(run_root / "baseline", base_q, run_root / v.name, q,
+                               recipe.quality.bootstrap_samples, recipe.quality.seed)
+        gates = []
+        for g in recipe.gates:
+            m = metrics.METRICS[g.metric]
+            scopes = list(q.suites) if g.scope == "each_suite" else [g.scope]
+            for scope in scopes:
+                measured = (quality_metric(g.metric, scope, q, paired) if m.stage == "quality"
+                            else systems_metric(g.metric, s, base_s))
+                why = (s.error or "not measured") if m.stage == "systems" else "not measured"
+                gates.append(judge(g.model_copy(update={"scope": scope}), measured, why))
+        outcomes = {x.outcome for x in gates}
+        verdict = "FAIL" if "FAIL" in outcomes else "WARN" if outcomes & {"WARN", "N/A"} else "PASS"
+        reason = f"systems not measured: {s.error}" if s.status == "skipped" else ""
+        verdicts.append(VariantSignoff(variant=v.name, verdict=verdict, reason=reason, gates=gates,
+                                       paired=paired))
+    bad = any(x.verdict in ("FAIL", "FAILED-TO-RUN") for x in verdicts)
+    warn = any(x.verdict in ("WARN", "SKIPPED") for x in verdicts)
+    passing = [x.variant for x in verdicts if x.verdict in ("PASS", "WARN")]
+    recommended = None
+    if passing:
+        def weight(name: str) -> float:
+            sys_ = results[name]["systems"]
+            return sys_.checkpoint_bytes or float("inf")
+        recommended = min(passing, key=weight)
+    return Signoff(recipe=recipe.name, recipe_hash=recipe_hash,
+                   verdict="FAIL" if bad else ("WARN" if warn else "PASS"), exit_code=1 if bad else 0,
+                   variants=verdicts, recommended=recommended,
+                   recommendation_rule="smallest checkpoint among variants whose gates pass (PASS or WARN)")

@@ -1,0 +1,321 @@
+"""Render a run folder into one self-contained report.html plus results.json.
+
+A pure function of the files in the run folder: it never imports stage code or engines,
+so `quantize-eval report RUN_DIR` rebuilds the page from saved JSON alone. The page has
+inline CSS and inline SVG, no scripts it needs and no network; every string that came
+from a model, a dataset or a recipe is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from html import escape
+from pathlib import Path
+
+from pipeline.runstore import atomic_write_text, write_json
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;max-width:1180px;color:#1b1f24;padding:0 16px}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d0d7de;padding-bottom:4px}
+table{border-collapse:collapse;margin:6px 0 12px;font-size:13px}th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:right;vertical-align:top}
+th{background:#f6f8fa}td.l,th.l{text-align:left}.muted{color:#57606a}.small{font-size:12px}
+.banner{padding:14px 18px;border-radius:8px;font-size:20px;font-weight:700;margin:12px 0}
+.PASS{background:#dafbe1;color:#116329}.WARN{background:#fff8c5;color:#7d4e00}.FAIL,.FAILED-TO-RUN{background:#ffebe9;color:#a40e26}
+.SKIPPED,.N\\/A{background:#eaeef2;color:#57606a}span.tag{padding:1px 6px;border-radius:4px;font-weight:600;font-size:12px}
+code,pre{font:12px ui-monospace,Menlo,monospace}pre{background:#f6f8fa;padding:8px;overflow:auto;white-space:pre-wrap}
+.caveat{background:#fff8c5;padding:8px 12px;border-radius:6px;margin:6px 0}
+"""
+
+
+class ReportError(Exception):
+    pass
+
+
+def _load(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def collect(run_dir: Path) -> dict:
+    """Everything the run wrote, merged into one JSON-able dict (results.json)."""
+    manifest = _load(run_dir / "manifest.json")
+    if manifest is None:
+        raise ReportError(f"{run_dir}: not a run folder (no readable manifest.json)")
+    signoff = _load(run_dir / "signoff.json")
+    names = ["baseline", *[v["name"] for v in manifest["recipe"]["variants"]]]
+    variants = {}
+    for name in names:
+        vdir = run_dir / name
+        variants[name] = {stage: _load(vdir / f"{stage}.json")
+                          for stage in ("quantize", "quality", "systems", "error", "support")}
+    return {"schema_version": 1, "manifest": manifest, "signoff": signoff, "variants": variants}
+
+
+def fmt(x, digits=3, pct=False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if pct:
+        return f"{x * 100:.1f}%"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def mib(b) -> str:
+    return "–" if b is None else f"{b / 2**20:,.0f} MiB"
+
+
+def tag(outcome: str) -> str:
+    return f'<span class="tag {escape(outcome)}">{escape(outcome)}</span>'
+
+
+def table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:
+    th = "".join(f'<th class="{"l" if i < left else ""}">{h}</th>' for i, h in enumerate(headers))
+    body = "".join("<tr>" + "".join(f'<td class="{"l" if i < left else ""}">{c}</td>'
+                                     for i, c in enumerate(r)) + "</tr>" for r in rows)
+    return f"<table><tr>{th}</tr>{body}</table>"
+
+
+def verdict_section(data: dict) -> str:
+    so = data["signoff"]
+    if so is None:
+        return '<div class="banner WARN">NO VERDICT: the run has not finished (no signoff.json)</div>'
+    rec = (f" — recommended: <b>{escape(so['recommended'])}</b> "
+           f"<span class='small'>({escape(so['recommendation_rule'])})</span>") if so["recommended"] else ""
+    rows = [[escape(v["variant"]), tag(v["verdict"]), escape(v.get("reason") or
+             ", ".join(f"{g['metric']}[{g['scope']}] {g['outcome']}" for g in v["gates"]) or "no gates")]
+            for v in so["variants"]]
+    return (f'<div class="banner {escape(so["verdict"])}">VERDICT: {escape(so["verdict"])}{rec}</div>'
+            + table(["variant", "verdict", "why"], rows, left=3))
+
+
+def gates_section(data: dict) -> str:
+    so = data["signoff"]
+    if not so:
+        return ""
+    rows = []
+    for v in so["variants"]:
+        for g in v["gates"]:
+            m = g["measured"]
+            ci = f" [{fmt(m['ci_low'], 4)}, {fmt(m['ci_high'], 4)}]" if m.get("ci_low") is not None else ""
+            rows.append([escape(v["variant"]), escape(g["metric"]), escape(g["scope"]),
+                         f"{escape(g['op'])} {fmt(g['threshold'], 4)}", escape(g["severity"]),
+                         f"{fmt(m['value'], 4)}{ci}", escape(g["judged_on"]), tag(g["outcome"]),
+                         escape(g.get("note", ""))])
+    if not rows:
+        return "<h2>Gates</h2><p>No gates declared in the recipe.</p>"
+    return ("<h2>Gates</h2><p class='small muted'>Metrics with a confidence interval are judged on its "
+            "conservative end (lower bound for ≥, upper bound for ≤): non-inferiority, not a point ratio."
+            "</p>" + table(["variant", "metric", "scope", "threshold", "severity", "measured [95% CI]",
+                            "judged on", "outcome", "note"], rows, left=3))
+
+
+def quality_section(data: dict) -> str:
+    so = data["signoff"] or {"variants": []}
+    paired = {v["variant"]: {p["slice"]: p for p in v["paired"]} for v in so["variants"]}
+    rows = []
+    for name, r in data["variants"].items():
+        q = r["quality"]
+        if not q:
+            continue
+        for suite, s in q["suites"].items():
+            p = paired.get(name, {}).get(suite)
+            delta = (f"{p['delta'] * 100:+.1f} pt [{p['delta_ci_low'] * 100:+.1f}, "
+                     f"{p['delta_ci_high'] * 100:+.1f}]") if p else "–"
+            flips = f"{p['flips_correct_to_wrong']} / {p['flips_wrong_to_correct']}" if p else "–"
+            pv = f"{fmt(p['mcnemar_p'], 3)} ({fmt(p['mcnemar_p_holm'], 3)})" if p else "–"
+            near = "<b>near chance</b>" if s["near_chance"] else ""
+            rows.append([escape(name), escape(suite), str(s["n"]),
+                         f"{fmt(s['accuracy'], pct=True)} [{fmt(s['ci_low'], pct=True)}, {fmt(s['ci_high'], pct=True)}]",
+                         fmt(s["chance"], pct=True), delta, flips, pv, near])
+        p = paired.get(name, {}).get("overall")
+        if p:
+            rows.append([escape(name), "<b>overall</b>", str(p["n"]), fmt(p["var_acc"], pct=True), "",
+                         f"{p['delta'] * 100:+.1f} pt [{p['delta_ci_low'] * 100:+.1f}, {p['delta_ci_high'] * 100:+.1f}]",
+                         f"{p['flips_correct_to_wrong']} / {p['flips_wrong_to_correct']}",
+                         fmt(p["mcnemar_p"], 3), ""])
+    return ("<h2>Quality, paired against the baseline</h2><p class='small muted'>Accuracy is lm-eval "
+            "acc_norm per item, 95% Wilson CI. Delta is variant − baseline on the same items with a 95% "
+            "paired-bootstrap CI. Flips: correct→wrong / wrong→correct. McNemar: exact two-sided p "
+            "(Holm-adjusted across suites).</p>"
+            + table(["variant", "suite", "n", "accuracy [95% CI]", "chance", "Δ vs baseline [95% CI]",
+                     "flips c→w / w→c", "McNemar p (Holm)", ""], rows, left=2))
+
+
+def systems_section(data: dict) -> str:
+    mem_rows, lat_rows = [], []
+    for name, r in data["variants"].items():
+        s = r["systems"]
+        if not s:
+            continue
+        kv = s.get("kv") or {}
+        if s.get("status") == "skipped":
+            mem_rows.append([escape(name), mib(s.get("checkpoint_bytes")),
+                             f"<i>not measured: {escape(s.get('error') or '')}</i>"] + [""] * 8)
+            continue
+        mem_rows.append([escape(name), mib(s.get("checkpoint_bytes")), mib(s.get("peak_memory_bytes")),
+                         fmt(kv.get("tokens")), fmt(kv.get("tokens_config")), fmt(kv.get("num_blocks")),
+                         fmt(kv.get("block_size")), fmt(kv.get("bytes_per_token_config")),
+                         fmt(kv.get("max_concurrency"), 2), fmt(kv.get("admission_sequences")),
+                         fmt(s.get("engine_start_s"), 0)])
+        lat = s.get("latency")
+        if lat:
+            p = lambda k: " / ".join(fmt(lat[k][q], 1) for q in ("p50", "p95", "p99"))  # noqa: E731
+            lat_rows.append([escape(name), p("ttft_ms"), p("tpot_ms"), p("itl_ms"), p("e2e_ms"),
+                             fmt(lat["output_tok_per_s"], 1), f"{lat['completed']} / {lat['failed']} / "
+                             f"{lat['timed_out']}"])
+    wl = next((r["systems"]["workload"] for r in data["variants"].values() if r["systems"]), {})
+    cell = (f"{wl.get('prompt_tokens')} prompt tokens, {wl.get('output_tokens')} output tokens, "
+            f"concurrency {wl.get('concurrency')}, {wl.get('num_requests')} measured requests after "
+            f"{wl.get('warmup_requests')} warm-up; prefix cache: {wl.get('prefix_cache')}") if wl else ""
+    timers = next((r["systems"]["timers"] for r in data["variants"].values() if r["systems"]), "")
+    return ("<h2>Memory and capacity</h2><p class='small muted'>KV tokens: engine's own figure "
+            "(blocks × block size) beside the config arithmetic (pool bytes ÷ 2·layers·kv_heads·head_dim·"
+            "bytes, whole blocks). Admission: sequences of the workload's prompt+output length that fit "
+            "at once. Peak memory: RSS summed over the engine's process tree, sampled every 0.25 s "
+            "(approximate: a shorter spike can be missed).</p>"
+            + table(["variant", "checkpoint", "peak memory", "KV tokens (engine)", "KV tokens (config)",
+                     "blocks", "block", "KV bytes/token", "max conc. @max_len", "admission @workload",
+                     "engine start s"], mem_rows)
+            + f"<h2>Latency at fixed concurrency</h2><p class='small muted'>{escape(cell)}. {escape(timers)} "
+              "One run per variant: differences under ~10–15% are within run-to-run noise here.</p>"
+            + table(["variant", "TTFT ms p50/p95/p99", "TPOT ms p50/p95/p99", "ITL ms p50/p95/p99",
+                     "e2e ms p50/p95/p99", "output tok/s", "ok / failed / timeout"], lat_rows))
+
+
+def chart_section(data: dict) -> str:
+    """Quality vs checkpoint size as an inline SVG scatter (no script needed)."""
+    so = data["signoff"] or {"variants": []}
+    overall = {v["variant"]: next((p for p in v["paired"] if p["slice"] == "overall"), None)
+               for v in so["variants"]}
+    pts = []
+    for name, r in data["variants"].items():
+        s, q = r["systems"], r["quality"]
+        if not (s and q and s.get("checkpoint_bytes")):
+            continue
+        k = sum(x["correct"] for x in q["suites"].values())
+        n = sum(x["n"] for x in q["suites"].values())
+        if n:
+            pts.append((name, s["checkpoint_bytes"] / 2**20, k / n))
+    if len(pts) < 2:
+        return ""
+    w, h, pad = 560, 300, 50
+    xs, ys = [p[1] for p in pts], [p[2] for p in pts]
+    x0, x1 = 0, max(xs) * 1.1
+    y0, y1 = max(0.0, min(ys) - 0.05), min(1.0, max(ys) + 0.05)
+    sx = lambda x: pad + (x - x0) / (x1 - x0) * (w - 2 * pad)  # noqa: E731
+    sy = lambda y: h - pad - (y - y0) / ((y1 - y0) or 1) * (h - 2 * pad)  # noqa: E731
+    dots = "".join(
+        f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{"#116329" if nm == "baseline" else "#0969da"}"/>'
+        f'<text x="{sx(x) + 8:.1f}" y="{sy(y) + 4:.1f}" font-size="12">{escape(nm)}</text>' for nm, x, y in pts)
+    axes = (f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#57606a"/>'
+            f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="#57606a"/>'
+            f'<text x="{w / 2}" y="{h - 12}" font-size="12" text-anchor="middle">checkpoint size (MiB)</text>'
+            f'<text x="14" y="{h / 2}" font-size="12" transform="rotate(-90 14 {h / 2})" '
+            f'text-anchor="middle">accuracy (all suites)</text>'
+            f'<text x="{pad}" y="{h - pad + 16}" font-size="11">{x0:.0f}</text>'
+            f'<text x="{w - pad}" y="{h - pad + 16}" font-size="11" text-anchor="end">{x1:.0f}</text>'
+            f'<text x="{pad - 4}" y="{h - pad}" font-size="11" text-anchor="end">{y0:.2f}</text>'
+            f'<text x="{pad - 4}" y="{pad + 4}" font-size="11" text-anchor="end">{y1:.2f}</text>')
+    del overall
+    return (f"<h2>Trade-off: quality vs weight size</h2><svg width='{w}' height='{h}' role='img' "
+            f"aria-label='accuracy versus checkpoint size'>{axes}{dots}</svg>")
+
+
+def flips_section(data: dict, run_dir: Path, limit: int = 15) -> str:
+    out = []
+    base_q = data["variants"]["baseline"]["quality"]
+    if not base_q:
+        return ""
+    for name, r in data["variants"].items():
+        if name == "baseline" or not r["quality"]:
+            continue
+        rows = []
+        for suite, s in r["quality"]["suites"].items():
+            if suite not in base_q["suites"]:
+                continue
+            b = {x["doc_id"]: x for x in _jsonl(run_dir / "baseline" / base_q["suites"][suite]["samples_file"])}
+            for x in _jsonl(run_dir / name / s["samples_file"]):
+                y = b.get(x["doc_id"])
+                if y and y["correct"] != x["correct"] and len(rows) < limit:
+                    ch = x["choices"]
+                    rows.append([escape(suite), escape(str(x["doc_id"])), escape(x["question"][:300]),
+                                 escape(ch[x["label"]][:120]), escape(ch[y["pred"]][:120]),
+                                 escape(ch[x["pred"]][:120]), "correct→wrong" if y["correct"] else "wrong→correct"])
+        if rows:
+            out.append(f"<h3>{escape(name)}</h3>" + table(
+                ["suite", "item", "question", "gold", "baseline answer", "variant answer", "flip"], rows, left=7))
+    if not out:
+        return ""
+    return "<h2>Flipped items (first 15 per variant)</h2>" + "".join(out)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def provenance_section(data: dict) -> str:
+    m = data["manifest"]
+    rows = [["recipe", escape(f"{m['recipe_name']} ({m['recipe_file']}), sha256 {m['recipe_hash'][:16]}…")],
+            ["model", escape(m["model_dir"])],
+            ["weights sha256", escape(m["model"]["weights_sha256"])],
+            ["tokenizer sha256", escape(m["model"]["tokenizer_sha256"])],
+            ["engine dtype", escape(m["engine_dtype"])],
+            ["engine args", f"<code>{escape(json.dumps(m['recipe']['engine']))}</code>"],
+            ["versions", escape(", ".join(f"{k} {v}" for k, v in m["versions"].items()))],
+            ["hardware", escape(json.dumps(m["hardware"]))],
+            ["started / finished (UTC)", escape(f"{m.get('started_utc')} / {m.get('finished_utc', '–')}")]]
+    for name, r in data["variants"].items():
+        qz = r["quantize"]
+        if qz:
+            rows.append([f"{escape(name)} checkpoint", escape(
+                f"{qz['scheme']}, {mib(qz['checkpoint_bytes'])}, quantized in {fmt(qz['quantize_wall_s'], 0)} s, "
+                f"peak RSS {mib(qz['peak_rss_bytes'])}, ignored {qz['ignored_modules']}, "
+                f"{'cached ' if qz['cached'] else ''}key {qz['cache_key']}; versions {qz['versions']}")
+                + "".join(f"<br><span class='small muted'>warning: {escape(w)}</span>" for w in qz["warnings"])])
+        if r["error"]:
+            rows.append([f"{escape(name)} error", escape(r["error"]["error"])])
+        if r.get("support"):
+            rows.append([f"{escape(name)} engine support", escape(
+                f"{r['support']['mode']} on {r['support']['platform']}: {r['support']['reason']}")])
+    caveats = []
+    if m.get("model_note"):
+        caveats.append(m["model_note"])
+    for name, r in data["variants"].items():
+        for suite, s in ((r["quality"] or {}).get("suites") or {}).items():
+            if name == "baseline" and s["near_chance"]:
+                caveats.append(f"Suite {suite}: the baseline's 95% CI reaches chance "
+                               f"({s['chance']:.2f}); it cannot show damage.")
+    caveats.append("Latency and memory come from one run per variant on shared hardware; treat small "
+                   "differences as noise. Peak memory is sampled, hence approximate.")
+    return ("<h2>Provenance and caveats</h2>" + "".join(f"<div class='caveat'>{escape(c)}</div>" for c in caveats)
+            + table(["", ""], rows, left=2))
+
+
+def render_html(data: dict, run_dir: Path) -> str:
+    m = data["manifest"]
+    raw = json.dumps(data, default=str).replace("</", "<\\/")
+    return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+            "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; style-src 'unsafe-inline'; img-src data:\">"
+            f"<title>quantize-eval: {escape(m['recipe_name'])}</title><style>{CSS}</style></head><body>"
+            f"<h1>quantize-eval report: {escape(m['recipe_name'])}</h1>"
+            f"<div class='muted small'>{escape(str(run_dir))} · model {escape(m['model_dir'])}</div>"
+            + verdict_section(data) + gates_section(data) + quality_section(data) + chart_section(data)
+            + systems_section(data) + flips_section(data, run_dir) + provenance_section(data)
+            + f"<script type='application/json' id='results'>{raw}</script></body></html>")
+
+
+def render_run(run_dir: Path) -> Path:
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir}: run folder not found")
+    data = collect(run_dir)
+    write_json(run_dir / "results.json", data)
+    out = run_dir / "report.html"
+    atomic_write_text(out, render_html(data, run_dir))
+    return out

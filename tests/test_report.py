@@ -1,0 +1,63 @@
+"""The report: renders from a run folder alone, escapes every dataset string, opens offline."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pipeline.runstore import write_json
+from pipeline.stages.signoff import signoff
+from reports.render import ReportError, render_run
+from tests.minirun import load_results, make_run, recipe
+
+EVIL = "<script>alert('x')</script><img src=x onerror=alert(1)>"
+
+
+@pytest.fixture
+def run(tmp_path):
+    r = recipe([{"metric": "accuracy_delta", "op": ">=", "threshold": -0.05}])
+    base = {"piqa": [1] * 60 + [0] * 40}
+    var = {"piqa": [0] * 5 + [1] * 55 + [0] * 40}
+    root = make_run(tmp_path / "run", r, base, var, question=EVIL)
+    write_json(root / "signoff.json", signoff(r, "h", root, load_results(root)))
+    return root
+
+
+def test_report_has_verdict_gates_and_flips(run):
+    html = render_run(run).read_text()
+    assert "VERDICT: FAIL" in html  # 5 flips to wrong: CI lower bound below -5 points
+    assert "accuracy_delta" in html and "CI lower bound" in html
+    assert "correct→wrong" in html
+    assert "4-bit GGUF" in html  # provenance caveat
+    data = json.loads((run / "results.json").read_text())
+    assert data["signoff"]["verdict"] == "FAIL" and set(data["variants"]) == {"baseline", "v4"}
+
+
+def test_dataset_strings_are_escaped(run):
+    html = render_run(run).read_text()
+    body = html.split("<script type='application/json'", 1)[0]
+    assert "<script>alert" not in body and "<img src=x" not in body
+    assert "&lt;script&gt;alert(" in body
+    # the embedded JSON cannot close its own script element
+    embedded = html.split("<script type='application/json' id='results'>", 1)[1].rsplit("</script>", 1)[0]
+    assert "</script" not in embedded
+
+
+def test_report_is_self_contained(run):
+    html = render_run(run).read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
+    assert "default-src 'none'" in html
+
+
+def test_unfinished_run_says_so(run):
+    (run / "signoff.json").unlink()
+    assert "NO VERDICT" in render_run(run).read_text()
+
+
+def test_not_a_run_folder(tmp_path):
+    with pytest.raises(ReportError, match="not a run folder"):
+        render_run(tmp_path)
+    with pytest.raises(ReportError, match="not found"):
+        render_run(tmp_path / "missing")

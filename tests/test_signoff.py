@@ -1,0 +1,94 @@
+"""Gate arithmetic and verdicts on a small run folder with known item outcomes."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.results import GateOutcome, Measured
+from pipeline.recipe import GateSpec
+from pipeline.stages.signoff import judge, signoff
+from tests.minirun import load_results, make_run, recipe
+
+BASE = {"piqa": [1] * 60 + [0] * 40, "siqa": [1] * 50 + [0] * 50}
+
+
+def run_signoff(tmp_path, var, gates):
+    r = recipe(gates)
+    root = make_run(tmp_path / "run", r, BASE, var)
+    return signoff(r, "h", root, load_results(root))
+
+
+def test_identical_variant_passes_noninferiority(tmp_path):
+    so = run_signoff(tmp_path, BASE, [{"metric": "accuracy_delta", "op": ">=", "threshold": -0.05}])
+    v = so.variants[0]
+    assert so.verdict == "PASS" and so.exit_code == 0 and v.verdict == "PASS"
+    overall = next(p for p in v.paired if p.slice == "overall")
+    assert overall.n == 200 and overall.delta == 0 and overall.mcnemar_p == 1.0
+    assert so.recommended == "v4"  # smaller checkpoint among passing
+
+
+def test_point_delta_small_but_ci_too_wide_fails(tmp_path):
+    # 12 correct->wrong and 8 wrong->correct on piqa: delta -2 points, but the CI lower bound
+    # reaches below -5 points, so a 5-point non-inferiority gate must fail.
+    piqa = [0] * 12 + [1] * 48 + [1] * 8 + [0] * 32
+    so = run_signoff(tmp_path, {"piqa": piqa, "siqa": BASE["siqa"]},
+                     [{"metric": "accuracy_delta", "scope": "piqa", "op": ">=", "threshold": -0.05}])
+    v = so.variants[0]
+    p = next(p for p in v.paired if p.slice == "piqa")
+    assert (p.flips_correct_to_wrong, p.flips_wrong_to_correct) == (12, 8)
+    assert p.delta == pytest.approx(-0.04)
+    g = v.gates[0]
+    assert g.judged_on == "CI lower bound" and g.measured.ci_low < -0.05
+    assert g.outcome == "FAIL" and so.exit_code == 1 and so.verdict == "FAIL"
+    assert so.recommended is None
+
+
+def test_each_suite_expands_and_warn_does_not_fail(tmp_path):
+    worse = {"piqa": [0] * 100, "siqa": BASE["siqa"]}
+    so = run_signoff(tmp_path, worse, [{"metric": "accuracy_delta", "scope": "each_suite", "op": ">=",
+                                        "threshold": -0.05, "severity": "warn"}])
+    v = so.variants[0]
+    assert [g.scope for g in v.gates] == ["piqa", "siqa"]
+    assert [g.outcome for g in v.gates] == ["WARN", "PASS"]
+    assert v.verdict == "WARN" and so.exit_code == 0
+
+
+def test_systems_ratios(tmp_path):
+    so = run_signoff(tmp_path, BASE, [
+        {"metric": "tpot_p50_ratio", "op": "<=", "threshold": 0.9},
+        {"metric": "checkpoint_bytes_ratio", "op": "<=", "threshold": 0.3},
+        {"metric": "kv_tokens_ratio", "op": ">=", "threshold": 1.0},
+        {"metric": "error_rate", "op": "<=", "threshold": 0.0},
+    ])
+    g = {x.metric: x for x in so.variants[0].gates}
+    assert g["tpot_p50_ratio"].measured.value == pytest.approx(0.8) and g["tpot_p50_ratio"].outcome == "PASS"
+    assert g["checkpoint_bytes_ratio"].measured.value == pytest.approx(110 / 269)
+    assert g["checkpoint_bytes_ratio"].outcome == "FAIL"
+    assert g["kv_tokens_ratio"].measured.value == 1.0 and g["error_rate"].measured.value == 0.0
+
+
+def test_failed_variant_is_failed_to_run(tmp_path):
+    r = recipe([])
+    root = make_run(tmp_path / "run", r, BASE, BASE)
+    results = load_results(root)
+    results["v4"] = {"error": "RuntimeError: quantization failed"}
+    so = signoff(r, "h", root, results)
+    assert so.variants[0].verdict == "FAILED-TO-RUN" and "quantization failed" in so.variants[0].reason
+    assert so.exit_code == 1
+
+
+@pytest.mark.parametrize("op,value,lo,hi,thr,expect", [
+    (">=", 0.0, -0.06, 0.05, -0.05, "FAIL"),   # judged on lower bound
+    (">=", 0.0, -0.04, 0.05, -0.05, "PASS"),
+    ("<=", 1.0, 0.9, 1.3, 1.2, "FAIL"),        # judged on upper bound
+    ("<=", 1.1, None, None, 1.2, "PASS"),      # no CI: point value
+])
+def test_judge_uses_conservative_bound(op, value, lo, hi, thr, expect):
+    g = GateSpec(metric="accuracy_delta" if lo is not None else "tpot_p50_ratio", op=op, threshold=thr)
+    out: GateOutcome = judge(g, Measured(value=value, ci_low=lo, ci_high=hi))
+    assert out.outcome == expect
+
+
+def test_unmeasured_metric_is_na_not_pass():
+    out = judge(GateSpec(metric="tpot_p50_ratio", op="<=", threshold=1.0), Measured(value=None))
+    assert out.outcome == "N/A"
