@@ -90,8 +90,10 @@ def builtin_model(name: str) -> Path:
     shutil.rmtree(tmp_out, ignore_errors=True)
     print(f"[setup] converting {gguf.name} to bf16 safetensors (once; ~1 min)", file=sys.stderr,
           flush=True)
-    proc = subprocess.run([sys.executable, "-m", "pipeline.engines.convert_gguf", str(gguf),
-                           str(tmp_out)], capture_output=True, text=True)
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([str(envs.ensure("quantize")), "-m", "pipeline.engines.convert_gguf", str(gguf),
+                           str(tmp_out)], capture_output=True, text=True, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
     if proc.returncode != 0:
         raise AssetError(f"GGUF conversion failed: {proc.stderr.strip().splitlines()[-1:]}")
     write_json(tmp_out / "qe-model.json", {

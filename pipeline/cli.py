@@ -58,8 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.recipe}: ok ({len(recipe.variants)} variant(s) + baseline, "
               f"{len(recipe.gates)} gate(s))")
         return 0
+    import signal
+
     from pipeline import runner
 
+    def _terminate(signum, frame):  # SIGTERM/SIGHUP unwind like Ctrl-C, so engines get reaped
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
     try:
         return runner.run(recipe, Path(args.recipe), fresh=args.fresh)
     except KeyboardInterrupt:

@@ -30,7 +30,7 @@ KINDS = ("engine", "quantize")
 CPU_ENGINE_REMOVE = ("torchvision", "torchaudio", "torchcodec")
 SMOKE = {
     "engine": "import vllm, lm_eval, pydantic, yaml, psutil, gguf",
-    "quantize": "import llmcompressor, compressed_tensors",
+    "quantize": "import llmcompressor, compressed_tensors, gguf, accelerate",
 }
 
 
@@ -79,6 +79,14 @@ def _run(cmd: list[str], log) -> None:
         raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}")
 
 
+def _prune_stale(kind: str, keep: Path) -> None:
+    """Environments of this kind built from older pins are GBs each; drop them."""
+    for old in keep.parent.glob(f"{kind}-*"):
+        if old != keep and old.is_dir() and (old / READY).exists():
+            shutil.rmtree(old, ignore_errors=True)
+            Path(str(old) + ".log").unlink(missing_ok=True)
+
+
 def ensure(kind: str) -> Path:
     """Return the python of a ready environment of this kind, building it if missing."""
     if kind not in KINDS:
@@ -110,6 +118,7 @@ def ensure(kind: str) -> Path:
             raise SystemExit(f"[setup] {kind} environment failed: {exc}\n  " + "\n  ".join(tail))
         (target / READY).write_text(requirements_file(kind).read_text())
         print(f"[setup] {kind} environment ready", file=sys.stderr, flush=True)
+        _prune_stale(kind, target)
     return target / "bin" / "python"
 
 

@@ -52,7 +52,7 @@ class EngineSpec(Strict):
     max_model_len: int = Field(2048, ge=64, description="Context length every engine serves.")
     max_num_seqs: int = Field(16, ge=1, le=1024, description="Sequences the scheduler runs at once.")
     kv_cache_gib: float = Field(
-        1.0, gt=0, description="KV pool size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
+        1.0, gt=0, description="KV pool size in GiB (--kv-cache-memory-bytes), the same for every variant.")
     gpu_memory_utilization: float = Field(
         0.85, gt=0, le=0.98, description="Fraction of GPU memory vLLM may take (GPU only).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
@@ -176,6 +176,29 @@ class Recipe(Strict):
         return self
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys: a second `variants:` must not silently win."""
+
+
+def _no_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, (str, int, float, bool)) and key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark)
+        if isinstance(key, (str, int, float, bool)):
+            seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())[:300]
+
+
 def _loc(err: dict) -> str:
     return ".".join(str(p) for p in err["loc"]) or "recipe"
 
@@ -186,11 +209,12 @@ def load(path: str | Path) -> Recipe:
     if not p.is_file():
         raise RecipeError(f"{p}: recipe file not found")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise RecipeError(f"{p}:{where} malformed YAML: {getattr(exc, 'problem', exc)}") from None
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise RecipeError(f"{p}:{where} malformed YAML: {_one_line(problem)}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"{p}: cannot read recipe: {exc}") from None
     if not isinstance(data, dict):
@@ -201,7 +225,7 @@ def load(path: str | Path) -> Recipe:
         err = exc.errors()[0]
         msg = re.sub(r"^Value error, ", "", err["msg"])
         more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise RecipeError(f"{p}: {_loc(err)}: {msg}{more}") from None
+        raise RecipeError(f"{p}: {_loc(err)}: {_one_line(msg)}{more}") from None
     if recipe.model.path is not None:
         check_model_dir(Path(recipe.model.path), p)
     return recipe

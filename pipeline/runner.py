@@ -191,7 +191,7 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
     recipe_hash = hash_obj(recipe.model_dump(mode="json"))
     runs_dir = Path(recipe.runs_dir)
     run_dir, resumed = open_run(runs_dir, recipe.name, recipe_hash, fresh)
-    say("run", f"{'resuming' if resumed else 'new run'}: {run_dir}")
+    say("run", f"{'resuming' if resumed else 'new run'}: {run_dir.root}")
     model_dir = resolve_model(recipe)
     hashes = provenance.model_hashes(model_dir)
     dtype = provenance.resolve_dtype(recipe.engine.dtype)

@@ -34,7 +34,7 @@ def run(tmp_path_factory):
         "quality": {"suites": ["piqa", "siqa"], "limit": 12, "bootstrap_samples": 200},
         "workload": {"prompt_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
                      "warmup_requests": 1},
-        "gates": [{"metric": "checkpoint_bytes_ratio", "op": "<=", "threshold": 0.95},
+        "gates": [{"metric": "checkpoint_bytes_ratio", "op": "<=", "threshold": 0.9},
                   {"metric": "accuracy_delta", "op": ">=", "threshold": -1.0}],
         "runs_dir": str(tmp / "runs"),
     }
@@ -83,9 +83,9 @@ def test_kv_capacity_matches_engine_and_config(run):
     s = load(run, "baseline", "systems.json")
     kv = s["kv"]
     assert kv["tokens"] == kv["num_blocks"] * kv["block_size"] > 0
-    # 2 * layers(2) * kv_heads(2) * head_dim(32) * bytes: the config arithmetic, whole blocks
+    # 2 * layers(4) * kv_heads(2) * head_dim(64) * bytes: the config arithmetic, whole blocks
     bytes_per_elem = 4 if load(run, "manifest.json")["engine_dtype"] == "float32" else 2
-    assert kv["bytes_per_token_config"] == 2 * 2 * 2 * 32 * bytes_per_elem
+    assert kv["bytes_per_token_config"] == 2 * 4 * 2 * 64 * bytes_per_elem
     assert abs(kv["tokens_config"] - kv["tokens"]) <= kv["block_size"]
     log = (run["dir"] / "baseline" / "engine.log").read_text()
     assert f"KV cache size: {kv['tokens']:,} tokens" in log
@@ -105,7 +105,7 @@ def test_quantized_checkpoint_really_differs(run):
     assert (ckpt / "recipe.yaml").exists() and "AWQModifier" in (ckpt / "recipe.yaml").read_text()
     assert qz["ignored_modules"] == ["lm_head"]
     base_bytes = load(run, "baseline", "systems.json")["checkpoint_bytes"]
-    assert qz["checkpoint_bytes"] < 0.95 * base_bytes
+    assert qz["checkpoint_bytes"] < 0.9 * base_bytes
     support = load(run, "awq", "support.json")
     assert support["mode"] in ("native", "emulated")
     sysr = load(run, "awq", "systems.json")

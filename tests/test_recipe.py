@@ -108,6 +108,12 @@ def test_malformed_files(tmp_path, text, expect):
         load(write(tmp_path, text))
 
 
+def test_duplicate_keys_are_rejected(tmp_path):
+    text = AWQ.read_text() + "\nvariants:\n  - {name: other, scheme: gptq_w4a16}\n"
+    with pytest.raises(RecipeError, match="duplicate key 'variants'"):
+        load(write(tmp_path, text))
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(RecipeError, match="recipe file not found"):
         load(tmp_path / "absent.yaml")

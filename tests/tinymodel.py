@@ -20,8 +20,10 @@ def build(out: Path, seed: int = 0) -> Path:
     if (out / "config.json").exists():
         return out
     tok_src = assets.builtin_model("smollm2-135m-instruct")
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    # linear layers large enough that 4-bit weights visibly shrink the checkpoint beside the
+    # (unquantized, tied) 49152-token embedding the real tokenizer needs
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                       max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1,
                       eos_token_id=2, pad_token_id=2)
     torch.manual_seed(seed)

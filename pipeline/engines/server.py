@@ -48,8 +48,11 @@ def engine_args(engine, dtype: str) -> list[str]:
 
 def engine_env(engine) -> dict[str, str]:
     env = dict(os.environ)
+    # KV pool size comes from --kv-cache-memory-bytes on every platform; VLLM_CPU_KVCACHE_SPACE
+    # (whole GiB only) is dropped so the two cannot disagree.
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.update(VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE=str(engine.kv_cache_gib))
+               DO_NOT_TRACK="1")
     return env
 
 

@@ -152,7 +152,8 @@ def signoff(recipe, recipe_hash: str, run_root: Path, results: dict[str, dict]) 
                 gates.append(judge(g.model_copy(update={"scope": scope}), measured, why))
         outcomes = {x.outcome for x in gates}
         verdict = "FAIL" if "FAIL" in outcomes else "WARN" if outcomes & {"WARN", "N/A"} else "PASS"
-        reason = f"systems not measured: {s.error}" if s.status == "skipped" else ""
+        failing = [f"{x.metric}[{x.scope}] {x.outcome}" for x in gates if x.outcome != "PASS"]
+        reason = "; ".join(failing + ([f"systems not measured: {s.error}"] if s.status == "skipped" else []))
         verdicts.append(VariantSignoff(variant=v.name, verdict=verdict, reason=reason, gates=gates,
                                        paired=paired))
     bad = any(x.verdict in ("FAIL", "FAILED-TO-RUN") for x in verdicts)
