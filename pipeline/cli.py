@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, _terminate)
     try:
         return runner.run(recipe, Path(args.recipe), fresh=args.fresh)
+    except runner.PreflightError as exc:
+        return fail(str(exc))
     except KeyboardInterrupt:
         print("\ninterrupted: finished stages are kept; rerun the same command to resume",
               file=sys.stderr)

@@ -115,7 +115,7 @@ def ensure(kind: str) -> Path:
                 _run([py, "-c", SMOKE[kind]], log)
         except RuntimeError as exc:
             tail = logpath.read_text(errors="replace").strip().splitlines()[-5:]
-            raise SystemExit(f"[setup] {kind} environment failed: {exc}\n  " + "\n  ".join(tail))
+            raise SystemExit(f"[setup] {kind} environment failed: {exc}\n  " + "\n  ".join(tail)) from None
         (target / READY).write_text(requirements_file(kind).read_text())
         print(f"[setup] {kind} environment ready", file=sys.stderr, flush=True)
         _prune_stale(kind, target)

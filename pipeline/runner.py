@@ -183,16 +183,42 @@ def evaluate_variant(recipe: Recipe, name: str, model_dir: Path, weights_hash: s
     return {"quality": q or q2, "systems": s or s2}
 
 
+class PreflightError(Exception):
+    """The recipe is valid but cannot run here (model limits, disk); one line, exit 2."""
+
+
+def preflight(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
+    """Checks that need the resolved model or the machine, made before any work starts."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text_cfg = cfg.get("text_config", cfg)
+    limit = text_cfg.get("max_position_embeddings")
+    if limit and recipe.engine.max_model_len > limit:
+        raise PreflightError(f"{recipe_path}: engine.max_model_len {recipe.engine.max_model_len} exceeds the "
+                             f"model's max_position_embeddings {limit} ({model_dir / 'config.json'})")
+    weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) or dir_bytes(model_dir)
+    need = weights * (len(recipe.variants) + 1)  # each checkpoint (and its dense copy) < the model
+    home = envs.home()
+    home.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(home).free
+    if free < need:
+        raise PreflightError(f"{home}: {free / 2**30:.1f} GiB free, checkpoints for "
+                             f"{len(recipe.variants)} variant(s) need about {need / 2**30:.1f} GiB")
+    runs = Path(recipe.runs_dir)
+    probe = runs if runs.exists() else runs.parent
+    if not os.access(probe if probe.exists() else Path("."), os.W_OK):
+        raise PreflightError(f"{recipe_path}: runs_dir {runs} is not writable")
+
+
 def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
     from pipeline.stages.signoff import signoff
 
     prepare_environment()
     t_run = time.perf_counter()
     recipe_hash = hash_obj(recipe.model_dump(mode="json"))
-    runs_dir = Path(recipe.runs_dir)
-    run_dir, resumed = open_run(runs_dir, recipe.name, recipe_hash, fresh)
-    say("run", f"{'resuming' if resumed else 'new run'}: {run_dir.root}")
     model_dir = resolve_model(recipe)
+    preflight(recipe, recipe_path, model_dir)
+    run_dir, resumed = open_run(Path(recipe.runs_dir), recipe.name, recipe_hash, fresh)
+    say("run", f"{'resuming' if resumed else 'new run'}: {run_dir.root}")
     hashes = provenance.model_hashes(model_dir)
     dtype = provenance.resolve_dtype(recipe.engine.dtype)
     manifest = {

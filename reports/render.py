@@ -18,7 +18,8 @@ from pipeline.runstore import atomic_write_text, write_json
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;max-width:1180px;color:#1b1f24;padding:0 16px}
 h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d0d7de;padding-bottom:4px}
-table{border-collapse:collapse;margin:6px 0 12px;font-size:13px}th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:right;vertical-align:top}
+table{border-collapse:collapse;margin:6px 0 12px;font-size:13px}
+th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:right;vertical-align:top}
 th{background:#f6f8fa}td.l,th.l{text-align:left}.muted{color:#57606a}.small{font-size:12px}
 .banner{padding:14px 18px;border-radius:8px;font-size:20px;font-weight:700;margin:12px 0}
 .PASS{background:#dafbe1;color:#116329}.WARN{background:#fff8c5;color:#7d4e00}.FAIL,.FAILED-TO-RUN{background:#ffebe9;color:#a40e26}
@@ -163,7 +164,8 @@ def systems_section(data: dict) -> str:
                          fmt(s.get("engine_start_s"), 0)])
         lat = s.get("latency")
         if lat:
-            p = lambda k: " / ".join(fmt(lat[k][q], 1) for q in ("p50", "p95", "p99"))  # noqa: E731
+            def p(k, lat=lat):
+                return " / ".join(fmt(lat[k][q], 1) for q in ("p50", "p95", "p99"))
             lat_rows.append([escape(name), p("ttft_ms"), p("tpot_ms"), p("itl_ms"), p("e2e_ms"),
                              fmt(lat["output_tok_per_s"], 1), f"{lat['completed']} / {lat['failed']} / "
                              f"{lat['timed_out']}"])

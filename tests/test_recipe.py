@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,48 @@ def test_cli_exit_code_2_and_one_line_no_traceback(tmp_path):
 def test_cli_validate_ok(capsys):
     assert cli.main(["validate", str(AWQ)]) == 0
     assert "ok" in capsys.readouterr().out
+
+
+def tiny_config_dir(tmp_path: Path, **cfg) -> Path:
+    m = tmp_path / "model"
+    m.mkdir()
+    (m / "config.json").write_text(json.dumps({"max_position_embeddings": 1024, **cfg}))
+    (m / "tokenizer.json").write_text("{}")
+    (m / "model.safetensors").write_bytes(b"\0" * 4096)
+    return m
+
+
+def run_cli(tmp_path: Path, recipe: dict, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    path = write(tmp_path, recipe)
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "QUANTIZE_EVAL_HOME": str(tmp_path / "home"),
+           **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", str(path)], capture_output=True,
+                          text=True, cwd=tmp_path, env=env, timeout=120)
+
+
+def test_context_beyond_the_models(tmp_path):
+    d = base()
+    d["model"] = {"path": str(tiny_config_dir(tmp_path))}
+    d["engine"]["max_model_len"] = 4096
+    proc = run_cli(tmp_path, d)
+    assert proc.returncode == 2, proc.stderr
+    assert "engine.max_model_len 4096 exceeds the model's max_position_embeddings 1024" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()
+
+
+def test_too_little_disk_for_checkpoints(tmp_path):
+    import shutil as sh
+
+    free = sh.disk_usage(tmp_path).free
+    m = tiny_config_dir(tmp_path)
+    (m / "model.safetensors").unlink()
+    # a sparse file as large as the free space: one checkpoint per variant cannot fit
+    with open(m / "model.safetensors", "wb") as f:
+        f.truncate(free)
+    d = base()
+    d["model"] = {"path": str(m)}
+    d["engine"]["max_model_len"] = 512
+    proc = run_cli(tmp_path, d)
+    assert proc.returncode == 2, proc.stderr
+    assert "GiB free, checkpoints for 1 variant(s) need about" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "runs").exists()

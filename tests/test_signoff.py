@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.results import GateOutcome, Measured
 from pipeline.recipe import GateSpec
+from pipeline.results import GateOutcome, Measured
 from pipeline.stages.signoff import judge, signoff
 from tests.minirun import load_results, make_run, recipe
 

@@ -38,5 +38,5 @@ def convert(gguf_file: Path, out_dir: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit(f"usage: python -m pipeline.engines.convert_gguf GGUF_FILE OUT_DIR")
+        sys.exit("usage: python -m pipeline.engines.convert_gguf GGUF_FILE OUT_DIR")
     convert(Path(sys.argv[1]), Path(sys.argv[2]))

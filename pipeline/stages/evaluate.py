@@ -93,7 +93,7 @@ def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Pat
 
 def _argmax_norm(lls: list[float], choices: list[str]) -> int:
     """lm-eval's acc_norm choice: loglikelihood divided by the choice's byte length."""
-    normed = [ll / max(1, len((" " + c).encode())) for ll, c in zip(lls, choices)]
+    normed = [ll / max(1, len((" " + c).encode())) for ll, c in zip(lls, choices, strict=True)]
     return max(range(len(normed)), key=normed.__getitem__)
 
 

@@ -45,7 +45,7 @@ def paired_slices(base_dir: Path, base_q: QualityResult, var_dir: Path, var_q: Q
         near.append(base_q.suites[suite].near_chance)
         out.append(_paired(suite, bs, vs, samples, seed, base_q.suites[suite].near_chance))
     adjusted = stats.holm([s.mcnemar_p for s in out])
-    for s, p in zip(out, adjusted):
+    for s, p in zip(out, adjusted, strict=True):
         s.mcnemar_p_holm = p
     if pooled_b:
         out.append(_paired("overall", pooled_b, pooled_v, samples, seed, all(near)))
@@ -53,8 +53,8 @@ def paired_slices(base_dir: Path, base_q: QualityResult, var_dir: Path, var_q: Q
 
 
 def _paired(name: str, b: list[int], v: list[int], samples: int, seed: int, near: bool) -> PairedSlice:
-    c2w = sum(1 for x, y in zip(b, v) if x == 1 and y == 0)
-    w2c = sum(1 for x, y in zip(b, v) if x == 0 and y == 1)
+    c2w = sum(1 for x, y in zip(b, v, strict=True) if x == 1 and y == 0)
+    w2c = sum(1 for x, y in zip(b, v, strict=True) if x == 0 and y == 1)
     delta, lo, hi = stats.paired_bootstrap_delta(b, v, samples, seed)
     n = len(b)
     return PairedSlice(slice=name, n=n, base_acc=sum(b) / n, var_acc=sum(v) / n, delta=delta,
@@ -80,7 +80,7 @@ def systems_metric(name: str, v: SystemsResult, b: SystemsResult) -> Measured:
         kind, pct = name.split("_")[0], name.split("_")[1]
         value = _ratio(getattr(getattr(lv, f"{kind}_ms"), pct), getattr(getattr(lb, f"{kind}_ms"), pct))
     elif name in ("ttft_p99_ms", "tpot_p99_ms"):
-        value = getattr(getattr(lv, name[:-7] + "_ms"), "p99")
+        value = getattr(lv, name[:-7] + "_ms").p99
     elif name == "error_rate":
         total = lv.completed + lv.failed + lv.timed_out
         value = (lv.failed + lv.timed_out) / total if total else None
