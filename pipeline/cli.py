@@ -4,6 +4,7 @@
     quantize-eval run RECIPE [--fresh]
     quantize-eval validate RECIPE   check a recipe without running anything
     quantize-eval report RUN_DIR    re-render report.html/results.json from a run folder
+    quantize-eval compare A B       what changed between two runs; exit 1 on a regression
 
 Bad input exits 2 with one line naming the field or file.
 """
@@ -24,7 +25,7 @@ def fail(msg: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in ("run", "validate", "report", "-h", "--help"):
+    if argv and argv[0] not in ("run", "validate", "report", "compare", "-h", "--help"):
         argv.insert(0, "run")
     parser = argparse.ArgumentParser(prog="quantize-eval", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -35,12 +36,25 @@ def main(argv: list[str] | None = None) -> int:
     p_val.add_argument("recipe")
     p_rep = sub.add_parser("report", help="re-render the report of a run folder")
     p_rep.add_argument("run_dir")
+    p_cmp = sub.add_parser("compare", help="what changed between two runs, beyond noise")
+    p_cmp.add_argument("run_a")
+    p_cmp.add_argument("run_b")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return USAGE_ERROR if exc.code else 0
 
     from pipeline.recipe import RecipeError, load
+
+    if args.cmd == "compare":
+        from reports.compare import CompareError, compare
+
+        try:
+            lines, regressed = compare(Path(args.run_a), Path(args.run_b))
+        except CompareError as exc:
+            return fail(str(exc))
+        print("\n".join(lines))
+        return 1 if regressed else 0
 
     if args.cmd == "report":
         from reports.render import ReportError, render_run
