@@ -4,7 +4,8 @@
     quantize-eval run RECIPE [--fresh]
     quantize-eval validate RECIPE   check a recipe without running anything
     quantize-eval report RUN_DIR    re-render report.html/results.json from a run folder
-    quantize-eval compare A B       what changed between two runs; exit 1 on a regression
+    quantize-eval compare A B       what changed between two runs; exit 1 on a regression,
+                                    3 when the runs are not like for like
 
 Bad input exits 2 with one line naming the field or file.
 """
@@ -50,11 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         from reports.compare import CompareError, compare
 
         try:
-            lines, regressed = compare(Path(args.run_a), Path(args.run_b))
+            lines, regressed, alike = compare(Path(args.run_a), Path(args.run_b))
         except CompareError as exc:
             return fail(str(exc))
         print("\n".join(lines))
-        return 1 if regressed else 0
+        return 1 if regressed else (3 if not alike else 0)
 
     if args.cmd == "report":
         from reports.render import ReportError, render_run

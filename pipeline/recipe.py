@@ -69,6 +69,7 @@ class CalibrationSpec(Strict):
         "xsum", description="Packaged real text used to calibrate quantizers.")
     num_samples: int = Field(16, ge=1, le=4096, description="Calibration sequences.")
     max_seq_len: int = Field(256, ge=16, le=8192, description="Tokens per calibration sequence.")
+    timeout_s: float = Field(7200, gt=0, description="A variant whose quantization runs longer fails.")
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="Compute dtype while calibrating (same rule as engine.dtype); the "
         "checkpoint's unquantized tensors are saved in the model's own dtype either way.")

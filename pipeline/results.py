@@ -53,6 +53,7 @@ class SuiteQuality(Model):
     near_chance: bool = Field(description="Baseline CI includes chance: cannot show damage.")
     metric: str = "acc"
     samples_file: str
+    samples_sha256: str | None = None
 
 
 class QualityResult(StageResult):
@@ -78,7 +79,9 @@ class KVCapacity(Model):
     pool_bytes_config: int | None = None
     tokens_config: int | None = Field(None, description="Pool bytes / per-token bytes, whole blocks.")
     admission_sequences: int | None = Field(
-        None, description="Sequences of the workload's prompt+output length that fit at once.")
+        None, description="Sequences of the workload's prompt+output length admitted at once: "
+        "min(KV blocks / blocks per sequence, max_num_seqs).")
+    admission_kv_only: int | None = Field(None, description="The KV-pool bound alone.")
 
 
 class Latency(Model):

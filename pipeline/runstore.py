@@ -6,9 +6,9 @@
 
 Writes go to a temp file and `os.replace` it, so a killed run leaves either the old file
 or the new one. A stage is done when its JSON validates and its input hash matches.
-Rerunning the same recipe resumes its newest run folder (stages whose inputs are
-unchanged are not recomputed; `--fresh` starts a new folder); a run of another recipe
-is never written to.
+Rerunning a recipe resumes the newest run folder of that recipe name: stages whose input
+hash is unchanged are not recomputed, changed ones are (`--fresh` starts a new folder).
+A run of another recipe is never written to.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 T = TypeVar("T", bound=BaseModel)
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def canonical(obj) -> str:
@@ -59,6 +61,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are for reviewers to read
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -104,7 +107,7 @@ class RunDir:
 
 
 def open_run(runs_dir: Path, recipe_name: str, recipe_hash: str, fresh: bool = False) -> tuple[RunDir, bool]:
-    """The newest run of this exact recipe (resumed), else a new folder."""
+    """The newest run of this recipe name (resumed), else a new folder."""
     runs_dir.mkdir(parents=True, exist_ok=True)
     if not fresh:
         for cand in sorted(runs_dir.glob(f"{recipe_name}-*"), reverse=True):
@@ -112,7 +115,8 @@ def open_run(runs_dir: Path, recipe_name: str, recipe_hash: str, fresh: bool = F
                 manifest = json.loads((cand / "manifest.json").read_text())
             except (OSError, ValueError):
                 continue
-            if manifest.get("recipe_hash") == recipe_hash:
+            # same recipe name: resumed, and the stages' input hashes decide what reruns
+            if manifest.get("recipe_name") == recipe_name:
                 return RunDir(cand), True
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     root = runs_dir / f"{recipe_name}-{stamp}"

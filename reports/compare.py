@@ -15,8 +15,10 @@ import json
 from pathlib import Path
 
 LATENCY_NOISE = 0.15
-PROVENANCE_KEYS = (("model", "weights_sha256"), ("model", "tokenizer_sha256"), ("recipe", "engine"),
-                   ("engine_dtype",), ("versions",), ("hardware",))
+PROVENANCE_KEYS = (("model", "weights_sha256"), ("model", "tokenizer_sha256"), ("model", "config_sha256"),
+                   ("recipe", "engine"), ("recipe", "quality"), ("recipe", "workload"),
+                   ("recipe", "calibration"), ("recipe", "variants"), ("engine_dtype",), ("versions",),
+                   ("hardware",))
 
 
 class CompareError(Exception):
@@ -47,8 +49,8 @@ def _overall(quality: dict | None) -> tuple[float, int, int] | None:
     return (k / n, k, n) if n else None
 
 
-def compare(a_dir: Path, b_dir: Path) -> tuple[list[str], bool]:
-    """Lines to print, and whether anything regressed beyond noise."""
+def compare(a_dir: Path, b_dir: Path) -> tuple[list[str], bool, bool]:
+    """Lines to print, whether anything regressed beyond noise, and whether like for like."""
     from pipeline.stats import wilson
 
     a, b = _results(a_dir), _results(b_dir)
@@ -87,4 +89,4 @@ def compare(a_dir: Path, b_dir: Path) -> tuple[list[str], bool]:
             lines.append(f"{name}: only in B")
     va_, vb_ = (a.get("signoff") or {}).get("verdict"), (b.get("signoff") or {}).get("verdict")
     lines.append(f"verdict: {va_} -> {vb_}")
-    return lines, regressed
+    return lines, regressed, not diffs

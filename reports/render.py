@@ -14,6 +14,7 @@ from html import escape
 from pathlib import Path
 
 from pipeline.runstore import atomic_write_text, write_json
+from pipeline.stats import wilson
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;max-width:1180px;color:#1b1f24;padding:0 16px}
@@ -134,13 +135,17 @@ def quality_section(data: dict) -> str:
                          fmt(s["chance"], pct=True), delta, flips, pv, near])
         p = paired.get(name, {}).get("overall")
         if p:
-            rows.append([escape(name), "<b>overall</b>", str(p["n"]), fmt(p["var_acc"], pct=True), "",
+            k = round(p["var_acc"] * p["n"])
+            lo, hi = wilson(k, p["n"])
+            rows.append([escape(name), "<b>overall</b>", str(p["n"]),
+                         f"{fmt(p['var_acc'], pct=True)} [{fmt(lo, pct=True)}, {fmt(hi, pct=True)}]", "",
                          f"{p['delta'] * 100:+.1f} pt [{p['delta_ci_low'] * 100:+.1f}, {p['delta_ci_high'] * 100:+.1f}]",
                          f"{p['flips_correct_to_wrong']} / {p['flips_wrong_to_correct']}",
-                         fmt(p["mcnemar_p"], 3), ""])
+                         f"{fmt(p['mcnemar_p'], 3)} (unadjusted)", ""])
     return ("<h2>Quality, paired against the baseline</h2><p class='small muted'>Accuracy is lm-eval "
-            "acc_norm per item, 95% Wilson CI. Delta is variant − baseline on the same items with a 95% "
-            "paired-bootstrap CI. Flips: correct→wrong / wrong→correct. McNemar: exact two-sided p "
+            "acc_norm per item, 95% Wilson CI. Delta is variant − baseline on the same items; its 95% CI is "
+            "the union of a paired bootstrap and the Agresti–Min interval (the bootstrap alone collapses "
+            "to a point when few items flip). Flips: correct→wrong / wrong→correct. McNemar: exact two-sided p "
             "(Holm-adjusted across suites).</p>"
             + table(["variant", "suite", "n", "accuracy [95% CI]", "chance", "Δ vs baseline [95% CI]",
                      "flips c→w / w→c", "McNemar p (Holm)", ""], rows, left=2))
@@ -160,7 +165,8 @@ def systems_section(data: dict) -> str:
         mem_rows.append([escape(name), mib(s.get("checkpoint_bytes")), mib(s.get("peak_memory_bytes")),
                          fmt(kv.get("tokens")), fmt(kv.get("tokens_config")), fmt(kv.get("num_blocks")),
                          fmt(kv.get("block_size")), fmt(kv.get("bytes_per_token_config")),
-                         fmt(kv.get("max_concurrency"), 2), fmt(kv.get("admission_sequences")),
+                         fmt(kv.get("max_concurrency"), 2),
+                         f"{fmt(kv.get('admission_sequences'))} (KV alone {fmt(kv.get('admission_kv_only'))})",
                          fmt(s.get("engine_start_s"), 0)])
         lat = s.get("latency")
         if lat:
@@ -177,10 +183,12 @@ def systems_section(data: dict) -> str:
     return ("<h2>Memory and capacity</h2><p class='small muted'>KV tokens: engine's own figure "
             "(blocks × block size) beside the config arithmetic (pool bytes ÷ 2·layers·kv_heads·head_dim·"
             "bytes, whole blocks). Admission: sequences of the workload's prompt+output length that fit "
-            "at once. Peak memory: RSS summed over the engine's process tree, sampled every 0.25 s "
+            "at once, capped by engine.max_num_seqs. Peak memory: RSS summed over the engine's process tree, "
+            "sampled every 0.25 s "
             "(approximate: a shorter spike can be missed).</p>"
             + table(["variant", "checkpoint", "peak memory", "KV tokens (engine)", "KV tokens (config)",
-                     "blocks", "block", "KV bytes/token", "max conc. @max_len", "admission @workload",
+                     "blocks", "block", "KV bytes/token", "max conc. @max_len",
+                     "admission @workload (≤ max_num_seqs)",
                      "engine start s"], mem_rows)
             + f"<h2>Latency at fixed concurrency</h2><p class='small muted'>{escape(cell)}. {escape(timers)} "
               "One run per variant: differences under ~10–15% are within run-to-run noise here.</p>"
@@ -302,7 +310,7 @@ def provenance_section(data: dict) -> str:
 
 def render_html(data: dict, run_dir: Path) -> str:
     m = data["manifest"]
-    raw = json.dumps(data, default=str).replace("</", "<\\/")
+    raw = json.dumps(data, default=str).replace("<", "\\u003c")  # no tag can open or close in it
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
             "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; style-src 'unsafe-inline'; img-src data:\">"
             f"<title>quantize-eval: {escape(m['recipe_name'])}</title><style>{CSS}</style></head><body>"

@@ -48,8 +48,8 @@ def test_different_hardware_is_said_loudly(tmp_path, capsys):
     m["hardware"] = {"cpus": 64}
     write_json(b / "manifest.json", m)
     render_run(b)
-    cli.main(["compare", str(a), str(b)])
-    assert "NOT LIKE FOR LIKE" in capsys.readouterr().out
+    assert cli.main(["compare", str(a), str(b)]) == 3
+    assert "NOT LIKE FOR LIKE: the runs differ in hardware" in capsys.readouterr().out
 
 
 def test_missing_run_is_exit_2(tmp_path, capsys):

@@ -92,3 +92,43 @@ def test_judge_uses_conservative_bound(op, value, lo, hi, thr, expect):
 def test_unmeasured_metric_is_na_not_pass():
     out = judge(GateSpec(metric="tpot_p50_ratio", op="<=", threshold=1.0), Measured(value=None))
     assert out.outcome == "N/A"
+
+
+def test_unmeasured_fail_gate_fails_and_no_gates_warns(tmp_path):
+    r = recipe([{"metric": "tpot_p50_ratio", "op": "<=", "threshold": 2.0, "severity": "fail"}])
+    root = make_run(tmp_path / "run", r, BASE, BASE)
+    results = load_results(root)
+    results["v4"]["systems"] = results["v4"]["systems"].model_copy(
+        update={"status": "skipped", "latency": None, "error": "no W4A16 kernel on this CPU"})
+    so = signoff(r, "h", root, results)
+    g = so.variants[0].gates[0]
+    assert g.outcome == "FAIL" and "not measured" in g.note and "no W4A16 kernel" in g.note
+    assert so.exit_code == 1 and so.recommended is None
+    so = signoff(recipe([]), "h", root, load_results(root))
+    assert so.variants[0].verdict == "WARN" and "no gates declared" in so.variants[0].reason
+
+
+def test_all_skipped_is_not_a_pass(tmp_path):
+    r = recipe([])
+    root = make_run(tmp_path / "run", r, BASE, BASE)
+    results = load_results(root)
+    results["v4"] = {"skipped": "unsupported here"}
+    so = signoff(r, "h", root, results)
+    assert so.variants[0].verdict == "SKIPPED" and so.exit_code == 1
+
+
+def test_rewritten_samples_are_not_paired(tmp_path):
+    import hashlib
+    import json as _json
+
+    r = recipe([])
+    root = make_run(tmp_path / "run", r, BASE, BASE)
+    q = root / "v4" / "quality.json"
+    d = _json.loads(q.read_text())
+    for s in d["suites"].values():
+        s["samples_sha256"] = hashlib.sha256((root / "v4" / s["samples_file"]).read_bytes()).hexdigest()
+    q.write_text(_json.dumps(d))
+    assert signoff(r, "h", root, load_results(root)).variants[0].verdict == "WARN"
+    (root / "v4" / "samples" / "piqa.jsonl").write_text("")  # a later, killed attempt
+    v = signoff(r, "h", root, load_results(root)).variants[0]
+    assert v.verdict == "FAILED-TO-RUN" and "do not match quality.json" in v.reason

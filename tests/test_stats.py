@@ -56,3 +56,15 @@ def test_hash_is_order_independent_for_keys_and_sensitive_to_values():
     assert hash_obj({"a": 1, "b": [1, 2]}) == hash_obj({"b": [1, 2], "a": 1})
     assert hash_obj({"a": 1}) != hash_obj({"a": 2})
     assert hash_obj([1, 2]) != hash_obj([2, 1])
+
+
+def test_agresti_min_keeps_width_without_flips():
+    lo, hi = stats.agresti_min_delta(0, 0, 20)
+    assert lo < -0.05 and hi > 0.05  # 20 items without a flip cannot prove a 5-point margin
+    lo, hi = stats.agresti_min_delta(0, 0, 2000)
+    assert -0.002 < lo < 0 < hi < 0.002
+    d, lo, hi = stats.paired_delta_ci([1] * 12 + [0] * 8, [1] * 12 + [0] * 8)
+    assert d == 0 and lo < -0.05  # the union is at least as wide as Agresti-Min
+    # b=10 correct->wrong of n=100: centred near -0.1
+    lo, hi = stats.agresti_min_delta(10, 0, 100)
+    assert lo < -0.10 < hi < 0

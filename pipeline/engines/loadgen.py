@@ -56,6 +56,8 @@ def one_request(port: int, model: str, prompt: list[int], max_tokens: int, timeo
             rec.error = f"HTTP {resp.status}: {resp.read()[:200]!r}"
             return rec
         for raw in resp:
+            if time.perf_counter() - t0 > timeout:
+                raise TimeoutError(f"request exceeded {timeout:.0f} s")
             line = raw.strip()
             if not line.startswith(b"data:"):
                 continue
@@ -72,13 +74,11 @@ def one_request(port: int, model: str, prompt: list[int], max_tokens: int, timeo
                 else:
                     rec.itls.append(now - last)
                 last = now
-            if time.perf_counter() - t0 > timeout:
-                raise TimeoutError
         rec.e2e = time.perf_counter() - t0
         rec.ok = rec.ttft is not None and rec.output_tokens > 0
         if not rec.ok:
             rec.error = "stream ended without tokens"
-    except (TimeoutError, OSError) as exc:
+    except Exception as exc:  # any failure is a counted failed request, never a lost one
         rec.timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc)
         rec.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -107,7 +107,8 @@ def run_closed_loop(port: int, model: str, prompts: list[list[int]], max_tokens:
         t.start()
     for t in threads:
         t.join()
-    return [r for r in records if r is not None], time.perf_counter() - t0
+    lost = RequestRecord(ok=False, error="worker thread died")
+    return [r if r is not None else lost for r in records], time.perf_counter() - t0
 
 
 def summarize(records: list[RequestRecord], wall_s: float) -> dict:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import psutil
 
+from pipeline import envs
+
 SERVED_NAME = "model"
 
 
@@ -43,7 +45,21 @@ def engine_args(engine, dtype: str) -> list[str]:
             "--kv-cache-memory-bytes", str(int(engine.kv_cache_gib * 2**30))]
     if engine.enforce_eager:
         args.append("--enforce-eager")
+    if envs.has_nvidia_gpu():
+        args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
     return args
+
+
+def _die_with_parent() -> None:
+    """Runs in the engine child before exec: if the pipeline is SIGKILLed, the kernel kills
+    the engine too (PR_SET_PDEATHSIG), so no server outlives its run. Linux only; a no-op
+    elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def engine_env(engine) -> dict[str, str]:
@@ -119,14 +135,37 @@ class Server:
             cmd.append("--trust-remote-code")
         return cmd
 
+    @property
+    def pgid_file(self) -> Path:
+        return self.log_path.with_suffix(".pgid")
+
+    def reap_stale(self) -> None:
+        """An engine group left by a SIGKILLed earlier run of this variant: kill it first."""
+        try:
+            pgid, created = self.pgid_file.read_text().split()
+            leader = psutil.Process(int(pgid))
+            # only if it is still *our* engine: same start time, a vLLM command line
+            if abs(leader.create_time() - float(created)) < 0.01 and \
+                    "vllm.entrypoints" in " ".join(leader.cmdline()):
+                os.killpg(int(pgid), signal.SIGKILL)
+        except (OSError, ValueError, psutil.Error):
+            pass
+        self.pgid_file.unlink(missing_ok=True)
+
     def __enter__(self) -> Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.reap_stale()
         log = open(self.log_path, "w")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=engine_env(self.engine),
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
+        try:  # its own session: pgid == pid; the start time tells a reused pid apart
+            created = psutil.Process(self.proc.pid).create_time()
+        except psutil.Error:
+            created = 0.0
+        self.pgid_file.write_text(f"{self.proc.pid} {created}")
         self.memory = MemorySampler(self.proc.pid).start()
         try:
             self._wait_ready(t0)
@@ -166,22 +205,30 @@ class Server:
     def stop(self) -> None:
         if self.memory:
             self.memory.stop()
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:  # the API server is gone; its children may not be
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.pgid_file.unlink(missing_ok=True)
             return
         for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
             try:
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
+            except (ProcessLookupError, PermissionError):
+                break
             try:
                 self.proc.wait(timeout=wait)
                 break
             except subprocess.TimeoutExpired:
                 continue
-        # children that left the group (none expected) are reaped by pid as well
-        for child in psutil.Process().children(recursive=True):
-            if child.pid in (self.memory.hwm if self.memory else {}):
-                child.kill()
+        try:  # stragglers of the group (EngineCore, Worker) after the API server exited
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.pgid_file.unlink(missing_ok=True)
 
     def cache_config(self) -> dict:
         """The engine's own KV-cache figures from the vllm:cache_config_info gauge."""

@@ -8,6 +8,7 @@ its requests warm nothing the latency cell measures: latency prompts are distinc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -23,7 +24,7 @@ from pipeline.results import (
     SuiteQuality,
     SystemsResult,
 )
-from pipeline.runstore import dir_bytes, write_json
+from pipeline.runstore import atomic_write_text, dir_bytes, write_json
 
 EVALSUITES = Path(__file__).resolve().parent.parent.parent / "evalsuites"
 CORRECT_METRIC = "acc_norm"  # per-item correctness: length-normalised loglikelihood argmax
@@ -75,14 +76,16 @@ def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Pat
                          "doc_hash": s.get("doc_hash"), "prompt_hash": s.get("prompt_hash")})
         rows.sort(key=lambda r: r["doc_id"])
         path = samples_dir / f"{suite}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        atomic_write_text(path, text)
         k, n = sum(r["correct"] for r in rows), len(rows)
         lo, hi = stats.wilson(k, n)
         chance = assets.SUITE_SOURCES[suite][2]
         suites[suite] = SuiteQuality(suite=suite, n=n, correct=k, accuracy=k / n if n else math.nan,
                                      ci_low=lo, ci_high=hi, chance=chance,
                                      near_chance=lo <= chance, metric=CORRECT_METRIC,
-                                     samples_file=str(path.relative_to(vdir)))
+                                     samples_file=str(path.relative_to(vdir)),
+                                     samples_sha256=hashlib.sha256(text.encode()).hexdigest())
     return QualityResult(variant=variant, input_hash=input_hash, status="ok",
                          duration_s=time.perf_counter() - t0, suites=suites,
                          lm_eval_version=lm_eval.__version__,
@@ -92,8 +95,8 @@ def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Pat
 
 
 def _argmax_norm(lls: list[float], choices: list[str]) -> int:
-    """lm-eval's acc_norm choice: loglikelihood divided by the choice's byte length."""
-    normed = [ll / max(1, len((" " + c).encode())) for ll, c in zip(lls, choices, strict=True)]
+    """lm-eval's acc_norm choice (api/task.py): loglikelihood / len(choice) in characters."""
+    normed = [ll / max(1, len(c)) for ll, c in zip(lls, choices, strict=True)]
     return max(range(len(normed)), key=normed.__getitem__)
 
 
@@ -110,10 +113,8 @@ def latency_prompts(tokenizer, count: int, length: int, offset_docs: int = 0) ->
             ids = ids[length:]
         if len(prompts) >= count:
             return prompts
-    while len(prompts) < count:  # corpus exhausted: reuse with a rotation (still distinct)
-        base = prompts[len(prompts) % max(1, len(prompts))]
-        prompts.append(base[1:] + base[:1])
-    return prompts
+    raise ValueError(f"the packaged prose holds {len(prompts)} distinct {length}-token prompts; "
+                     f"the workload asks for {count} (lower workload.num_requests or prompt_tokens)")
 
 
 def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, workload) -> KVCapacity:
@@ -131,14 +132,15 @@ def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, wo
         tokens_cfg = (pool // per_token) // block * block
     seq_len = workload.prompt_tokens + workload.output_tokens
     tokens = blocks * block if blocks and block else None
-    admission = None
+    admission = kv_only = None
     if blocks and block:
-        admission = blocks // math.ceil(seq_len / block)
+        kv_only = blocks // math.ceil(seq_len / block)
+        admission = min(kv_only, engine.max_num_seqs)
     mc = cache.get("kv_cache_max_concurrency")
     return KVCapacity(block_size=block, num_blocks=blocks, tokens=tokens,
                       max_concurrency=float(mc) if mc not in (None, "None") else None,
                       bytes_per_token_config=per_token, pool_bytes_config=pool,
-                      tokens_config=tokens_cfg, admission_sequences=admission)
+                      tokens_config=tokens_cfg, admission_sequences=admission, admission_kv_only=kv_only)
 
 
 def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_hash: str,
@@ -157,11 +159,25 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
                                             w.concurrency, w.request_timeout_s)
     cache = server.cache_config()
     kv = kv_capacity(cache, model_dir, recipe.engine, kv_bytes_per_elem, w)
+    latency = loadgen.summarize(records, wall)
+    error = None
+    if server.proc.poll() is not None:
+        error = f"engine exited (code {server.proc.returncode}) during the workload"
+    elif latency["completed"] == 0:
+        error = f"no request completed ({latency['failed']} failed, {latency['timed_out']} timed out)"
     return SystemsResult(
-        variant=variant, input_hash=input_hash, status="ok", duration_s=time.perf_counter() - t0,
-        checkpoint_bytes=dir_bytes(model_dir), engine_start_s=server.start_s, kv=kv,
+        variant=variant, input_hash=input_hash, status="failed" if error else "ok", error=error,
+        duration_s=time.perf_counter() - t0,
+        checkpoint_bytes=weight_bytes(model_dir), engine_start_s=server.start_s, kv=kv,
         workload={**w.model_dump(), "prefix_cache": "enabled; measured prompts distinct (cold)"},
-        latency=Latency(**loadgen.summarize(records, wall)))
+        latency=Latency(**latency))
+
+
+def weight_bytes(model_dir: Path) -> int:
+    """Bytes of the weight files alone (safetensors, else .bin), counted the same way for the
+    baseline and every variant; tokenizer files and stray copies do not count."""
+    files = list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
+    return sum(p.stat().st_size for p in files) if files else dir_bytes(model_dir)
 
 
 def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,

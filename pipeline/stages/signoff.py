@@ -9,6 +9,7 @@ fails, 1 otherwise (a variant that failed to run also fails the run).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -25,8 +26,12 @@ from pipeline.results import (
 
 
 def load_samples(vdir: Path, quality: QualityResult, suite: str) -> dict[int, int]:
-    path = vdir / quality.suites[suite].samples_file
-    return {r["doc_id"]: r["correct"] for r in map(json.loads, path.read_text().splitlines())}
+    s = quality.suites[suite]
+    path = vdir / s.samples_file
+    data = path.read_bytes()
+    if s.samples_sha256 and hashlib.sha256(data).hexdigest() != s.samples_sha256:
+        raise ValueError(f"{path}: per-item samples do not match quality.json (rewritten since)")
+    return {r["doc_id"]: r["correct"] for r in map(json.loads, data.decode().splitlines())}
 
 
 def paired_slices(base_dir: Path, base_q: QualityResult, var_dir: Path, var_q: QualityResult,
@@ -53,10 +58,12 @@ def paired_slices(base_dir: Path, base_q: QualityResult, var_dir: Path, var_q: Q
 
 
 def _paired(name: str, b: list[int], v: list[int], samples: int, seed: int, near: bool) -> PairedSlice:
+    n = len(b)
+    if n == 0:
+        raise ValueError(f"slice {name}: no items shared by the baseline and the variant")
     c2w = sum(1 for x, y in zip(b, v, strict=True) if x == 1 and y == 0)
     w2c = sum(1 for x, y in zip(b, v, strict=True) if x == 0 and y == 1)
-    delta, lo, hi = stats.paired_bootstrap_delta(b, v, samples, seed)
-    n = len(b)
+    delta, lo, hi = stats.paired_delta_ci(b, v, samples, seed)
     return PairedSlice(slice=name, n=n, base_acc=sum(b) / n, var_acc=sum(v) / n, delta=delta,
                        delta_ci_low=lo, delta_ci_high=hi, flips_correct_to_wrong=c2w,
                        flips_wrong_to_correct=w2c, mcnemar_p=stats.mcnemar_exact(c2w, w2c),
@@ -139,8 +146,13 @@ def signoff(recipe, recipe_hash: str, run_root: Path, results: dict[str, dict]) 
             verdicts.append(VariantSignoff(variant=v.name, verdict="FAILED-TO-RUN", reason=why))
             continue
         q, s = r["quality"], r["systems"]
-        paired = paired_slices(run_root / "baseline", base_q, run_root / v.name, q,
-                               recipe.quality.bootstrap_samples, recipe.quality.seed)
+        try:
+            paired = paired_slices(run_root / "baseline", base_q, run_root / v.name, q,
+                                   recipe.quality.bootstrap_samples, recipe.quality.seed)
+        except (OSError, ValueError, KeyError) as exc:
+            verdicts.append(VariantSignoff(variant=v.name, verdict="FAILED-TO-RUN",
+                                           reason=f"sign-off: {type(exc).__name__}: {exc}"))
+            continue
         gates = []
         for g in recipe.gates:
             m = metrics.METRICS[g.metric]
@@ -150,15 +162,22 @@ def signoff(recipe, recipe_hash: str, run_root: Path, results: dict[str, dict]) 
                             else systems_metric(g.metric, s, base_s))
                 why = (s.error or "not measured") if m.stage == "systems" else "not measured"
                 gates.append(judge(g.model_copy(update={"scope": scope}), measured, why))
+        # a fail gate that could not be measured cannot pass: it fails, with its reason
+        for x in gates:
+            if x.outcome == "N/A" and x.severity == "fail":
+                x.outcome = "FAIL"
+                x.note = f"fail gate not measured: {x.note}"
         outcomes = {x.outcome for x in gates}
-        verdict = "FAIL" if "FAIL" in outcomes else "WARN" if outcomes & {"WARN", "N/A"} else "PASS"
+        verdict = "FAIL" if "FAIL" in outcomes else "WARN" if outcomes & {"WARN", "N/A"} or not gates else "PASS"
         failing = [f"{x.metric}[{x.scope}] {x.outcome}" for x in gates if x.outcome != "PASS"]
-        reason = "; ".join(failing + ([f"systems not measured: {s.error}"] if s.status == "skipped" else []))
+        reason = "; ".join(failing + (["no gates declared"] if not gates else [])
+                           + ([f"systems not measured: {s.error}"] if s.status == "skipped" else []))
         verdicts.append(VariantSignoff(variant=v.name, verdict=verdict, reason=reason, gates=gates,
                                        paired=paired))
-    bad = any(x.verdict in ("FAIL", "FAILED-TO-RUN") for x in verdicts)
-    warn = any(x.verdict in ("WARN", "SKIPPED") for x in verdicts)
     passing = [x.variant for x in verdicts if x.verdict in ("PASS", "WARN")]
+    # nothing evaluated (all skipped) is not a sign-off either
+    bad = any(x.verdict in ("FAIL", "FAILED-TO-RUN") for x in verdicts) or not passing
+    warn = any(x.verdict in ("WARN", "SKIPPED") for x in verdicts)
     recommended = None
     if passing:
         def weight(name: str) -> float:

@@ -1,0 +1,97 @@
+"""Kill a real run with SIGKILL at several points; the same command resumes and finishes.
+
+Nothing finished is recomputed (result files keep their bytes and mtimes), nothing
+half-written is trusted, and no engine process outlives the run that started it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from tests import tinymodel
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def engines_of(marker: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "vllm.entrypoints" in cmd and marker in cmd or (p.info["cmdline"] and "VLLM" in p.name()):
+            out.append(p)
+    return out
+
+
+def start(cmd, cwd, env) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def kill_when(proc: subprocess.Popen, path_glob: Path, timeout: float = 900) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if list(path_glob.parent.glob(path_glob.name)):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+            return
+        if proc.poll() is not None:
+            raise AssertionError("run ended before the kill point: " + proc.stdout.read()[-2000:])
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"kill point {path_glob} never reached")
+
+
+def test_sigkill_at_several_points_then_resume(tmp_path):
+    model = tinymodel.build(tmp_path / "tiny", seed=int.from_bytes(os.urandom(2), "little"))
+    recipe = {
+        "schema_version": 1, "name": "killme", "model": {"path": str(model)},
+        "engine": {"max_model_len": 256, "max_num_seqs": 4, "kv_cache_gib": 0.125},
+        "calibration": {"num_samples": 2, "max_seq_len": 32},
+        "variants": [{"name": "rtn", "scheme": "rtn_w4a16", "group_size": 64}],
+        "quality": {"suites": ["piqa"], "limit": 8, "bootstrap_samples": 100},
+        "workload": {"prompt_tokens": 16, "output_tokens": 4, "concurrency": 1, "num_requests": 2,
+                     "warmup_requests": 0},
+        "runs_dir": str(tmp_path / "runs"),
+    }
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    cmd = [sys.executable, "-m", "pipeline.cli", str(tmp_path / "r.yaml")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    # 1: killed mid-evaluation of the baseline, after quality was written, before systems
+    p = start(cmd, tmp_path, env)
+    kill_when(p, tmp_path / "runs" / "killme-*" / "baseline" / "quality.json")
+    run_dir = next((tmp_path / "runs").glob("killme-*"))
+    quality = run_dir / "baseline" / "quality.json"
+    before = (quality.read_bytes(), quality.stat().st_mtime_ns)
+    time.sleep(3)
+    assert not engines_of(str(model)), "an engine outlived the SIGKILLed run"
+
+    # 2: killed while the variant quantizes
+    p = start(cmd, tmp_path, env)
+    kill_when(p, run_dir / "rtn" / "quantize-spec.json")
+    assert (quality.read_bytes(), quality.stat().st_mtime_ns) == before
+    assert (run_dir / "baseline" / "systems.json").exists()
+    assert not (run_dir / "rtn" / "quantize.json").exists()
+
+    # 3: runs to the end
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert f"resuming: {run_dir}" in done.stdout
+    assert "baseline | evaluate: done earlier" in done.stdout
+    assert (quality.read_bytes(), quality.stat().st_mtime_ns) == before
+    so = json.loads((run_dir / "signoff.json").read_text())
+    assert so["variants"][0]["verdict"] in ("PASS", "WARN")
+    assert not list((run_dir.parent).glob("killme-*"))[1:], "a second run folder was created"
+    time.sleep(2)
+    assert not engines_of(str(model))
