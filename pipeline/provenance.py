@@ -40,6 +40,7 @@ def resolve_dtype(requested: str) -> str:
     return "float32"
 
 
+@lru_cache(maxsize=1)
 def hardware() -> dict:
     info = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()}
     try:

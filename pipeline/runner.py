@@ -19,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline import assets, envs, provenance, support
+from pipeline import assets, envs, provenance, resultcache, support
 from pipeline.recipe import Recipe
 from pipeline.results import QualityResult, QuantizeResult, SystemsResult
 from pipeline.runstore import (
@@ -178,7 +178,8 @@ def dense_copy(qr: QuantizeResult, vdir: Path) -> Path:
 def evaluate_inputs(recipe: Recipe, weights_hash: str, dtype: str) -> tuple[str, str]:
     engine = recipe.engine.model_dump(exclude={"startup_timeout_s"})
     common = {"weights": weights_hash, "engine": engine, "dtype": dtype,
-              "engine_env": envs.requirements_file("engine").read_text()}
+              "engine_env": envs.requirements_file("engine").read_text(),
+              "hardware": provenance.hardware()}
     suites = {s: sha256_file(ROOT / "evalsuites" / f"{s}.yaml") for s in recipe.quality.suites}
     # bootstrap settings only change sign-off, which is recomputed every run anyway
     quality_spec = recipe.quality.model_dump(exclude={"bootstrap_samples", "seed"})
@@ -199,6 +200,10 @@ def evaluate_variant(recipe: Recipe, name: str, model_dir: Path, weights_hash: s
     s = read_result(vdir / "systems.json", SystemsResult, sh)
     q = q if q and q.status == "ok" else None  # a failed attempt is retried, never reused
     s = s if s and (s.status == "ok" or (systems_skip and s.status == "skipped")) else None
+    if q is None and (q := resultcache.fetch("quality", qh, QualityResult, vdir, name)):
+        say(name, "quality: measured earlier with identical inputs (result cache)")
+    if s is None and not systems_skip and (s := resultcache.fetch("systems", sh, SystemsResult, vdir, name)):
+        say(name, "systems: measured earlier with identical inputs (result cache)")
     if systems_skip and s is None:
         s = SystemsResult(variant=name, input_hash=sh, status="skipped", duration_s=0.0,
                           error=systems_skip, checkpoint_bytes=checkpoint_bytes)
@@ -211,6 +216,9 @@ def evaluate_variant(recipe: Recipe, name: str, model_dir: Path, weights_hash: s
         x for x, need in (("quality", q is None), ("systems", s is None)) if need) + ")")
     q2, s2 = evaluate(model_dir, recipe, name, vdir, dtype, None if q else qh, None if s else sh,
                       run.root / "tasks", log=lambda m: say(name, m))
+    for stage, r in (("quality", q2), ("systems", s2)):
+        if r is not None:
+            resultcache.store(stage, r, vdir, run.root)
     return {"quality": q or q2, "systems": s or s2}
 
 

@@ -52,7 +52,8 @@ def collect(run_dir: Path) -> dict:
     for name in names:
         vdir = run_dir / name
         variants[name] = {stage: _load(vdir / f"{stage}.json")
-                          for stage in ("quantize", "quality", "systems", "error", "support")}
+                          for stage in ("quantize", "quality", "systems", "error", "support",
+                                        "quality.origin", "systems.origin")}
     return {"schema_version": 1, "manifest": manifest, "signoff": signoff, "variants": variants}
 
 
@@ -291,6 +292,12 @@ def provenance_section(data: dict) -> str:
                 + "".join(f"<br><span class='small muted'>warning: {escape(w)}</span>" for w in qz["warnings"])])
         if r["error"]:
             rows.append([f"{escape(name)} error", escape(r["error"]["error"])])
+        for stage in ("quality", "systems"):
+            o = r.get(f"{stage}.origin")
+            if o:
+                rows.append([f"{escape(name)} {stage}", escape(
+                    f"reused from the result cache: measured with identical inputs in {o.get('run')} "
+                    f"({o.get('stored_utc')})")])
         if r.get("support"):
             rows.append([f"{escape(name)} engine support", escape(
                 f"{r['support']['mode']} on {r['support']['platform']}: {r['support']['reason']}")])

@@ -129,3 +129,20 @@ def test_rerun_resumes_without_recomputing(run):
         (run["dir"] / "results.json").read_text())["signoff"]["verdict"]
     for n, mtime in engine_logs.items():
         assert (run["dir"] / n / "engine.log").stat().st_mtime_ns == mtime
+
+
+def test_another_recipe_on_the_same_model_reuses_results(run):
+    recipe = yaml.safe_load((run["tmp"] / "tiny.yaml").read_text())
+    recipe["name"] = "tiny-again"  # another recipe, same model, variant and settings
+    path = run["tmp"] / "tiny-again.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    again = subprocess.run([sys.executable, "-m", "pipeline.cli", str(path)], capture_output=True,
+                           text=True, cwd=run["tmp"], env=run["env"], timeout=900)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "new run" in again.stdout and "starting engine" not in again.stdout
+    assert "baseline | quality: measured earlier with identical inputs (result cache)" in again.stdout
+    assert "quantize: cached checkpoint" in again.stdout
+    new_dir = next((run["tmp"] / "runs").glob("tiny-again-*"))
+    html = (new_dir / "report.html").read_text()
+    assert "reused from the result cache" in html
+    assert json.loads((new_dir / "signoff.json").read_text())["verdict"] == load(run, "signoff.json")["verdict"]

@@ -1,0 +1,63 @@
+"""Content-addressed cache of evaluation results, shared across runs and recipes.
+
+A quality or systems result is keyed by its input hash (weights, tokenizer, config, engine
+arguments, dtype, engine environment, hardware, suite data or workload). A second recipe
+on the same model therefore does not evaluate the baseline again, and adding a variant to
+a finished run costs only that variant. A reused result says where it was measured
+(`origin.json` beside it, copied into the variant folder as `<stage>.origin.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from pipeline import envs
+from pipeline.runstore import read_result, write_json
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def _slot(stage: str, input_hash: str) -> Path:
+    return envs.home() / "results" / stage / input_hash[:32]
+
+
+def store(stage: str, result: BaseModel, vdir: Path, run_root: Path) -> None:
+    if getattr(result, "status", None) != "ok":
+        return
+    slot = _slot(stage, result.input_hash)
+    if slot.exists():
+        return
+    tmp = slot.with_name(slot.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write_json(tmp / f"{stage}.json", result)
+    if stage == "quality" and (vdir / "samples").is_dir():
+        shutil.copytree(vdir / "samples", tmp / "samples")
+    write_json(tmp / "origin.json", {"run": str(run_root), "variant": result.variant,
+                                     "stored_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    try:
+        os.replace(tmp, slot)
+    except OSError:  # another run stored it first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fetch(stage: str, input_hash: str, model: type[T], vdir: Path, variant: str) -> T | None:
+    slot = _slot(stage, input_hash)
+    result = read_result(slot / f"{stage}.json", model, input_hash)
+    if result is None or getattr(result, "status", None) != "ok":
+        return None
+    if stage == "quality" and (slot / "samples").is_dir():
+        shutil.rmtree(vdir / "samples", ignore_errors=True)
+        shutil.copytree(slot / "samples", vdir / "samples")
+    result = result.model_copy(update={"variant": variant})
+    origin = json.loads((slot / "origin.json").read_text()) if (slot / "origin.json").exists() else {}
+    write_json(vdir / f"{stage}.origin.json", origin)
+    write_json(vdir / f"{stage}.json", result)
+    return result
