@@ -75,9 +75,12 @@ def tag(outcome: str) -> str:
     return f'<span class="tag {escape(outcome)}">{escape(outcome)}</span>'
 
 
-def table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:
-    th = "".join(f'<th class="{"l" if i < left else ""}">{h}</th>' for i, h in enumerate(headers))
-    body = "".join("<tr>" + "".join(f'<td class="{"l" if i < left else ""}">{c}</td>'
+def table(headers: list[str], rows: list[list[str]], left: int = 1, last_left: bool = False) -> str:
+    def cls(i: int) -> str:
+        return "l" if i < left or (last_left and i == len(headers) - 1) else ""
+
+    th = "".join(f'<th class="{cls(i)}">{h}</th>' for i, h in enumerate(headers))
+    body = "".join("<tr>" + "".join(f'<td class="{cls(i)}">{c}</td>'
                                      for i, c in enumerate(r)) + "</tr>" for r in rows)
     return f"<table><tr>{th}</tr>{body}</table>"
 
@@ -113,7 +116,7 @@ def gates_section(data: dict) -> str:
     return ("<h2>Gates</h2><p class='small muted'>Metrics with a confidence interval are judged on its "
             "conservative end (lower bound for ≥, upper bound for ≤): non-inferiority, not a point ratio."
             "</p>" + table(["variant", "metric", "scope", "threshold", "severity", "measured [95% CI]",
-                            "judged on", "outcome", "note"], rows, left=3))
+                            "judged on", "outcome", "note"], rows, left=3, last_left=True))
 
 
 def quality_section(data: dict) -> str:
