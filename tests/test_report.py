@@ -61,3 +61,21 @@ def test_not_a_run_folder(tmp_path):
         render_run(tmp_path)
     with pytest.raises(ReportError, match="not found"):
         render_run(tmp_path / "missing")
+
+
+def test_pareto_front():
+    from reports.render import pareto
+
+    pts = [("base", 270.0, 0.60), ("a", 110.0, 0.59), ("b", 140.0, 0.55), ("c", 110.0, 0.50)]
+    assert pareto(pts, lower_x_better=True) == {"base", "a"}  # b and c are beaten by a
+    assert pareto(pts, lower_x_better=False) == {"base"}
+
+
+def test_charts_heatmap_and_csv(run):
+    html = render_run(run).read_text()
+    assert "Quality vs weight size" in html and "Quality vs p99 TPOT" in html and "Quality vs KV capacity" in html
+    assert "Pareto front" in html and "Deltas by slice" in html
+    assert "-5.0 *" in html  # 5 flips to wrong of 100: significant by the CI
+    rows = (run / "results.csv").read_text().splitlines()
+    assert rows[0].startswith("variant,verdict,slice,n,")
+    assert {r.split(",")[2] for r in rows[1:]} == {"piqa", "overall"}

@@ -132,3 +132,15 @@ def test_rewritten_samples_are_not_paired(tmp_path):
     (root / "v4" / "samples" / "piqa.jsonl").write_text("")  # a later, killed attempt
     v = signoff(r, "h", root, load_results(root)).variants[0]
     assert v.verdict == "FAILED-TO-RUN" and "do not match quality.json" in v.reason
+
+
+@pytest.mark.parametrize("objective,expect", [("smallest_checkpoint", "v4"), ("lowest_tpot", "v4"),
+                                              ("best_quality", "v4"), ("most_kv_capacity", "v4")])
+def test_objective_picks_the_recommendation(tmp_path, objective, expect):
+    r = recipe([]).model_copy(update={"objective": objective})
+    root = make_run(tmp_path / "run", r, BASE, BASE)
+    so = signoff(r, "h", root, load_results(root))
+    assert so.recommended == expect  # the only variant that passes (WARN: no gates)
+    assert so.recommendation_rule.startswith(
+        {"smallest_checkpoint": "smallest", "lowest_tpot": "lowest p50 TPOT", "best_quality": "highest",
+         "most_kv_capacity": "most KV"}[objective])

@@ -179,12 +179,36 @@ def signoff(recipe, recipe_hash: str, run_root: Path, results: dict[str, dict]) 
     bad = any(x.verdict in ("FAIL", "FAILED-TO-RUN") for x in verdicts) or not passing
     warn = any(x.verdict in ("WARN", "SKIPPED") for x in verdicts)
     recommended = None
-    if passing:
-        def weight(name: str) -> float:
-            sys_ = results[name]["systems"]
-            return sys_.checkpoint_bytes or float("inf")
-        recommended = min(passing, key=weight)
+    rule, key = OBJECTIVES[recipe.objective]
+    ranked = [n for n in passing if key(results[n]) is not None]
+    if ranked:
+        recommended = min(ranked, key=lambda n: key(results[n]))
     return Signoff(recipe=recipe.name, recipe_hash=recipe_hash,
                    verdict="FAIL" if bad else ("WARN" if warn else "PASS"), exit_code=1 if bad else 0,
                    variants=verdicts, recommended=recommended,
-                   recommendation_rule="smallest checkpoint among variants whose gates pass (PASS or WARN)")
+                   recommendation_rule=f"{rule}, among variants whose gates pass (PASS or WARN)")
+
+
+def _overall_acc(r: dict) -> float | None:
+    q = r.get("quality")
+    n = sum(s.n for s in q.suites.values()) if q else 0
+    return sum(s.correct for s in q.suites.values()) / n if n else None
+
+
+def _lat(r: dict, kind: str) -> float | None:
+    s = r.get("systems")
+    return getattr(getattr(s.latency, kind), "p50") if s and s.latency else None
+
+
+# objective -> (what it means, key to minimise; None = cannot be ranked on it)
+OBJECTIVES = {
+    "smallest_checkpoint": ("smallest checkpoint on disk",
+                            lambda r: r["systems"].checkpoint_bytes if r.get("systems") else None),
+    "most_kv_capacity": ("most KV-cache tokens",
+                         lambda r: -r["systems"].kv.tokens if r.get("systems") and r["systems"].kv
+                         and r["systems"].kv.tokens else None),
+    "lowest_tpot": ("lowest p50 TPOT", lambda r: _lat(r, "tpot_ms")),
+    "lowest_ttft": ("lowest p50 TTFT", lambda r: _lat(r, "ttft_ms")),
+    "best_quality": ("highest overall accuracy",
+                     lambda r: -a if (a := _overall_acc(r)) is not None else None),
+}
