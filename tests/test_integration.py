@@ -91,7 +91,8 @@ def test_kv_capacity_matches_engine_and_config(run):
     assert abs(kv["tokens_config"] - kv["tokens"]) <= kv["block_size"]
     log = (run["dir"] / "baseline" / "engine.log").read_text()
     assert f"KV cache size: {kv['tokens']:,} tokens" in log
-    assert kv["admission_sequences"] == kv["num_blocks"] // 1  # 40-token sequences fit one block
+    # 40-token sequences fit one block each; the engine admits at most max_num_seqs (8) at once
+    assert kv["admission_kv_only"] == kv["num_blocks"] and kv["admission_sequences"] == 8
     lat = s["latency"]
     assert lat["completed"] == 4 and lat["failed"] == 0 and lat["timed_out"] == 0
     assert lat["output_tokens"] == 4 * 8

@@ -38,10 +38,11 @@ def start(cmd, cwd, env) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
-def kill_when(proc: subprocess.Popen, path_glob: Path, timeout: float = 900) -> None:
+def kill_when(proc: subprocess.Popen, root: Path, pattern: str, timeout: float = 900) -> None:
+    """SIGKILL the run's whole process group as soon as root.glob(pattern) matches."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if list(path_glob.parent.glob(path_glob.name)):
+        if root.exists() and list(root.glob(pattern)):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
             return
@@ -49,7 +50,7 @@ def kill_when(proc: subprocess.Popen, path_glob: Path, timeout: float = 900) -> 
             raise AssertionError("run ended before the kill point: " + proc.stdout.read()[-2000:])
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
-    raise AssertionError(f"kill point {path_glob} never reached")
+    raise AssertionError(f"kill point {pattern} never reached")
 
 
 def test_sigkill_at_several_points_then_resume(tmp_path):
@@ -70,7 +71,7 @@ def test_sigkill_at_several_points_then_resume(tmp_path):
 
     # 1: killed mid-evaluation of the baseline, after quality was written, before systems
     p = start(cmd, tmp_path, env)
-    kill_when(p, tmp_path / "runs" / "killme-*" / "baseline" / "quality.json")
+    kill_when(p, tmp_path / "runs", "killme-*/baseline/quality.json")
     run_dir = next((tmp_path / "runs").glob("killme-*"))
     quality = run_dir / "baseline" / "quality.json"
     before = (quality.read_bytes(), quality.stat().st_mtime_ns)
@@ -79,7 +80,7 @@ def test_sigkill_at_several_points_then_resume(tmp_path):
 
     # 2: killed while the variant quantizes
     p = start(cmd, tmp_path, env)
-    kill_when(p, run_dir / "rtn" / "quantize-spec.json")
+    kill_when(p, run_dir, "rtn/quantize-spec.json")
     assert (quality.read_bytes(), quality.stat().st_mtime_ns) == before
     assert (run_dir / "baseline" / "systems.json").exists()
     assert not (run_dir / "rtn" / "quantize.json").exists()
