@@ -96,6 +96,20 @@ class Latency(Model):
     duration_s: float
     output_tok_per_s: float
     request_per_s: float
+    goodput_req_per_s: float | None = Field(None, description="Completed requests meeting the SLO / s.")
+    slo_attainment: float | None = Field(None, description="Fraction of requests meeting the SLO.")
+    cost_per_1k_requests_usd: float | None = None
+    repeats_tpot_p50_ms: list[float] = Field(default_factory=list,
+                                             description="p50 TPOT of each repeat of the cell.")
+    tpot_p50_spread: float | None = Field(None, description="(max - min) / median of repeats_tpot_p50_ms.")
+
+
+class Roofline(Model):
+    bandwidth_gbps: float
+    bandwidth_source: str
+    bytes_per_step: int = Field(description="Weight bytes + KV bytes of the batch read per decode step.")
+    floor_tpot_ms: float
+    measured_over_floor: float | None
 
 
 class SystemsResult(StageResult):
@@ -106,6 +120,7 @@ class SystemsResult(StageResult):
     kv: KVCapacity | None = None
     workload: dict = Field(default_factory=dict)
     latency: Latency | None = None
+    roofline: Roofline | None = None
     timers: str = (
         "TTFT: request sent -> first streamed token received; TPOT: (e2e - TTFT) / (tokens - 1); "
         "ITL: gaps between streamed chunks; e2e: request sent -> last byte. Client-side, "

@@ -34,6 +34,7 @@ from pipeline.runstore import (
 
 ROOT = Path(__file__).resolve().parent.parent
 NOISE = ("No accelerator available",)
+ENGINE_STARTS: list[str] = []  # variants that started an engine in this invocation
 
 
 def say(variant: str, msg: str) -> None:
@@ -214,6 +215,7 @@ def evaluate_variant(recipe: Recipe, name: str, model_dir: Path, weights_hash: s
         return {"quality": q, "systems": s}
     say(name, "evaluate: starting engine (" + ", ".join(
         x for x, need in (("quality", q is None), ("systems", s is None)) if need) + ")")
+    ENGINE_STARTS.append(name)
     q2, s2 = evaluate(model_dir, recipe, name, vdir, dtype, None if q else qh, None if s else sh,
                       run.root / "tasks", log=lambda m: say(name, m))
     for stage, r in (("quality", q2), ("systems", s2)):
@@ -258,6 +260,7 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
     from pipeline.stages.signoff import signoff
 
     prepare_environment()
+    ENGINE_STARTS.clear()
     t_run = time.perf_counter()
     recipe_hash = hash_obj(recipe.model_dump(mode="json"))
     try:
@@ -327,6 +330,7 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
     write_json(run_dir.root / "signoff.json", so)
     manifest["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     manifest["wall_s"] = {"total": time.perf_counter() - t_run, **timings}
+    manifest["engine_starts"] = len(ENGINE_STARTS)
     write_json(run_dir.manifest, manifest)
     from reports.render import render_run
 
@@ -339,6 +343,6 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
     print(f"\nVERDICT: {so.verdict}" + (f"  recommended: {so.recommended}" if so.recommended else ""))
     print(f"report:  {report}")
     print(f"results: {run_dir.root / 'results.json'}")
-    print(f"wall:    {time.perf_counter() - t_run:.0f} s")
+    print(f"wall:    {time.perf_counter() - t_run:.0f} s, {len(ENGINE_STARTS)} engine start(s)")
     sys.stdout.flush()
     return so.exit_code

@@ -156,7 +156,7 @@ def quality_section(data: dict) -> str:
 
 
 def systems_section(data: dict) -> str:
-    mem_rows, lat_rows = [], []
+    mem_rows, lat_rows, roof_rows, extra_rows = [], [], [], []
     for name, r in data["variants"].items():
         s = r["systems"]
         if not s:
@@ -173,7 +173,18 @@ def systems_section(data: dict) -> str:
                          f"{fmt(kv.get('admission_sequences'))} (KV alone {fmt(kv.get('admission_kv_only'))})",
                          fmt(s.get("engine_start_s"), 0)])
         lat = s.get("latency")
+        roof = s.get("roofline")
+        if roof:
+            roof_rows.append([escape(name), f"{roof['bytes_per_step'] / 2**20:,.1f} MiB",
+                              f"{roof['bandwidth_gbps']:.1f} GB/s", escape(roof["bandwidth_source"]),
+                              fmt(roof["floor_tpot_ms"], 1), fmt(lat["tpot_ms"]["p50"], 1) if lat else "–",
+                              f"{fmt(roof['measured_over_floor'], 1)}×"])
         if lat:
+            extra_rows.append([escape(name), fmt(lat.get("goodput_req_per_s"), 3),
+                               fmt(lat.get("slo_attainment"), pct=True),
+                               fmt(lat.get("cost_per_1k_requests_usd"), 4),
+                               " / ".join(fmt(x, 1) for x in lat.get("repeats_tpot_p50_ms") or []) or "–",
+                               fmt(lat.get("tpot_p50_spread"), pct=True)])
             def p(k, lat=lat):
                 return " / ".join(fmt(lat[k][q], 1) for q in ("p50", "p95", "p99"))
             lat_rows.append([escape(name), p("ttft_ms"), p("tpot_ms"), p("itl_ms"), p("e2e_ms"),
@@ -197,7 +208,15 @@ def systems_section(data: dict) -> str:
             + f"<h2>Latency at fixed concurrency</h2><p class='small muted'>{escape(cell)}. {escape(timers)} "
               "One run per variant: differences under ~10–15% are within run-to-run noise here.</p>"
             + table(["variant", "TTFT ms p50/p95/p99", "TPOT ms p50/p95/p99", "ITL ms p50/p95/p99",
-                     "e2e ms p50/p95/p99", "output tok/s", "ok / failed / timeout"], lat_rows))
+                     "e2e ms p50/p95/p99", "output tok/s", "ok / failed / timeout"], lat_rows)
+            + table(["variant", "goodput req/s (SLO)", "SLO attainment", "$ / 1k requests",
+                     "p50 TPOT per repeat (ms)", "spread of p50 TPOT"], extra_rows)
+            + ("<h2>Decode roofline</h2><p class='small muted'>Floor TPOT = bytes read per decode step "
+               "(all weights once + the batch's KV cache at its mean context) ÷ memory bandwidth. An "
+               "approximation that ignores activations and caches; the ratio says how far decode is from "
+               "the memory wall.</p>" + table(["variant", "bytes / step", "bandwidth", "source",
+                                                "floor TPOT ms", "p50 TPOT ms", "measured / floor"], roof_rows)
+               if roof_rows else ""))
 
 
 def _points(data: dict, x_of) -> list[tuple[str, float, float]]:

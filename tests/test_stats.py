@@ -68,3 +68,33 @@ def test_agresti_min_keeps_width_without_flips():
     # b=10 correct->wrong of n=100: centred near -0.1
     lo, hi = stats.agresti_min_delta(10, 0, 100)
     assert lo < -0.10 < hi < 0
+
+
+def test_goodput_and_cost():
+    from pipeline.engines.loadgen import RequestRecord, summarize
+
+    fast = RequestRecord(ok=True, ttft=0.1, e2e=1.1, output_tokens=11)   # TPOT 100 ms
+    slow = RequestRecord(ok=True, ttft=0.5, e2e=2.5, output_tokens=11)   # TTFT 500 ms, TPOT 200 ms
+    bad = RequestRecord(ok=False, error="HTTP 500")
+    out = summarize([fast, slow, bad], wall_s=10.0, slo_ttft_ms=200, slo_tpot_ms=150, cost_per_hour=3.6)
+    assert out["slo_attainment"] == pytest.approx(1 / 3) and out["goodput_req_per_s"] == pytest.approx(0.1)
+    assert out["completed"] == 2 and out["failed"] == 1
+    # 3.6 $/h for 10 s = 0.01 $ over 2 completed requests -> 5 $ per 1k
+    assert out["cost_per_1k_requests_usd"] == pytest.approx(5.0)
+    assert summarize([fast], 1.0)["goodput_req_per_s"] is None
+
+
+def test_roofline_arithmetic():
+    from pipeline.recipe import WorkloadSpec
+    from pipeline.results import KVCapacity
+    from pipeline.stages.evaluate import measure_bandwidth_gbps, roofline
+
+    kv = KVCapacity(block_size=128, num_blocks=10, tokens=1280, max_concurrency=1.0,
+                    bytes_per_token_config=1000)
+    w = WorkloadSpec(prompt_tokens=100, output_tokens=20, concurrency=2, num_requests=2,
+                     memory_bandwidth_gbps=10.0)
+    r = roofline(1_000_000, kv, w, tpot_p50_ms=1.0)
+    assert r.bytes_per_step == 1_000_000 + 2 * 110 * 1000
+    assert r.floor_tpot_ms == pytest.approx(1_220_000 / 10e9 * 1000)
+    assert r.measured_over_floor == pytest.approx(1.0 / r.floor_tpot_ms)
+    assert 0.5 < measure_bandwidth_gbps(mib=16, tries=2) < 2000

@@ -111,7 +111,8 @@ def run_closed_loop(port: int, model: str, prompts: list[list[int]], max_tokens:
     return [r if r is not None else lost for r in records], time.perf_counter() - t0
 
 
-def summarize(records: list[RequestRecord], wall_s: float) -> dict:
+def summarize(records: list[RequestRecord], wall_s: float, slo_ttft_ms: float | None = None,
+              slo_tpot_ms: float | None = None, cost_per_hour: float | None = None) -> dict:
     ok = [r for r in records if r.ok]
     ms = lambda xs: [x * 1000 for x in xs if x is not None]  # noqa: E731
     out_tokens = sum(r.output_tokens for r in ok)
@@ -127,4 +128,19 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "duration_s": wall_s,
         "output_tok_per_s": out_tokens / wall_s if wall_s > 0 else 0.0,
         "request_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        **goodput(records, wall_s, slo_ttft_ms, slo_tpot_ms),
+        "cost_per_1k_requests_usd": (cost_per_hour * wall_s / 3600 / len(ok) * 1000
+                                     if cost_per_hour is not None and ok else None),
     }
+
+
+def goodput(records: list[RequestRecord], wall_s: float, slo_ttft_ms: float | None,
+            slo_tpot_ms: float | None) -> dict:
+    """Requests that completed within the SLO (TTFT and TPOT bounds), per second and as a share."""
+    if slo_ttft_ms is None and slo_tpot_ms is None:
+        return {"goodput_req_per_s": None, "slo_attainment": None}
+    good = sum(1 for r in records if r.ok
+               and (slo_ttft_ms is None or r.ttft * 1000 <= slo_ttft_ms)
+               and (slo_tpot_ms is None or (r.tpot is not None and r.tpot * 1000 <= slo_tpot_ms)))
+    return {"goodput_req_per_s": good / wall_s if wall_s > 0 else 0.0,
+            "slo_attainment": good / len(records) if records else None}

@@ -50,18 +50,6 @@ def engine_args(engine, dtype: str) -> list[str]:
     return args
 
 
-def _die_with_parent() -> None:
-    """Runs in the engine child before exec: if the pipeline is SIGKILLed, the kernel kills
-    the engine too (PR_SET_PDEATHSIG), so no server outlives its run. Linux only; a no-op
-    elsewhere."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def engine_env(engine) -> dict[str, str]:
     env = dict(os.environ)
     # KV pool size comes from --kv-cache-memory-bytes on every platform; VLLM_CPU_KVCACHE_SPACE
@@ -89,7 +77,7 @@ class MemorySampler:
         except psutil.NoSuchProcess:
             return
         total = 0
-        for p in procs:
+        for p in procs[1:]:  # the root is the guard; the engine is everything below it
             try:
                 total += p.memory_info().rss
                 with open(f"/proc/{p.pid}/status") as f:
@@ -127,7 +115,8 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        cmd = [sys.executable, "-m", "pipeline.engines.engine_guard",
+               sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
                "--host", "127.0.0.1", "--port", str(self.port), "--disable-uvicorn-access-log",
                *engine_args(self.engine, self.dtype)]
@@ -146,7 +135,7 @@ class Server:
             leader = psutil.Process(int(pgid))
             # only if it is still *our* engine: same start time, a vLLM command line
             if abs(leader.create_time() - float(created)) < 0.01 and \
-                    "vllm.entrypoints" in " ".join(leader.cmdline()):
+                    "engine_guard" in " ".join(leader.cmdline()):
                 os.killpg(int(pgid), signal.SIGKILL)
         except (OSError, ValueError, psutil.Error):
             pass
@@ -157,9 +146,10 @@ class Server:
         self.reap_stale()
         log = open(self.log_path, "w")
         t0 = time.perf_counter()
+        root = Path(__file__).resolve().parent.parent.parent
+        env = {**engine_env(self.engine), "PYTHONPATH": str(root)}
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=engine_env(self.engine),
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         log.close()
         try:  # its own session: pgid == pid; the start time tells a reused pid apart
             created = psutil.Process(self.proc.pid).create_time()

@@ -21,6 +21,7 @@ from pipeline.results import (
     KVCapacity,
     Latency,
     QualityResult,
+    Roofline,
     SuiteQuality,
     SystemsResult,
 )
@@ -150,16 +151,28 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
     t0 = time.perf_counter()
     w = recipe.workload
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
-    prompts = latency_prompts(tok, w.warmup_requests + w.num_requests, w.prompt_tokens)
-    warm, measured = prompts[:w.warmup_requests], prompts[w.warmup_requests:]
+    n = w.num_requests
+    prompts = latency_prompts(tok, w.warmup_requests + n * w.repeats, w.prompt_tokens)
+    warm = prompts[:w.warmup_requests]
     if warm:
         loadgen.run_closed_loop(server.port, SERVED_NAME, warm, w.output_tokens,
                                 min(w.concurrency, len(warm)), w.request_timeout_s)
-    records, wall = loadgen.run_closed_loop(server.port, SERVED_NAME, measured, w.output_tokens,
-                                            w.concurrency, w.request_timeout_s)
+    records, wall, repeat_p50 = [], 0.0, []
+    for i in range(w.repeats):  # each repeat on fresh prompts: the prefix cache stays cold
+        batch = prompts[w.warmup_requests + i * n: w.warmup_requests + (i + 1) * n]
+        recs, secs = loadgen.run_closed_loop(server.port, SERVED_NAME, batch, w.output_tokens,
+                                             w.concurrency, w.request_timeout_s)
+        records += recs
+        wall += secs
+        p50 = stats.percentiles([r.tpot * 1000 for r in recs if r.tpot is not None])["p50"]
+        if p50 is not None:
+            repeat_p50.append(p50)
     cache = server.cache_config()
     kv = kv_capacity(cache, model_dir, recipe.engine, kv_bytes_per_elem, w)
-    latency = loadgen.summarize(records, wall)
+    latency = loadgen.summarize(records, wall, w.slo_ttft_ms, w.slo_tpot_ms, w.cost_per_hour_usd)
+    latency["repeats_tpot_p50_ms"] = repeat_p50
+    if len(repeat_p50) > 1:
+        latency["tpot_p50_spread"] = (max(repeat_p50) - min(repeat_p50)) / stats.percentiles(repeat_p50)["p50"]
     error = None
     if server.proc.poll() is not None:
         error = f"engine exited (code {server.proc.returncode}) during the workload"
@@ -170,7 +183,38 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
         duration_s=time.perf_counter() - t0,
         checkpoint_bytes=weight_bytes(model_dir), engine_start_s=server.start_s, kv=kv,
         workload={**w.model_dump(), "prefix_cache": "enabled; measured prompts distinct (cold)"},
-        latency=Latency(**latency))
+        latency=Latency(**latency),
+        roofline=roofline(weight_bytes(model_dir), kv, w, latency["tpot_ms"]["p50"]))
+
+
+def roofline(weights: int, kv: KVCapacity, w, tpot_p50_ms: float | None) -> Roofline | None:
+    """Decode is bandwidth bound: each step reads every weight once plus the batch's KV cache.
+    Floor TPOT = bytes per step / bandwidth. Approximate: ignores activations and caches."""
+    if not kv.bytes_per_token_config:
+        return None
+    if w.memory_bandwidth_gbps:
+        bw, src = w.memory_bandwidth_gbps, "recipe (workload.memory_bandwidth_gbps)"
+    else:
+        bw, src = measure_bandwidth_gbps(), "measured here: numpy copy of 256 MiB, one thread, best of 5"
+    mean_ctx = w.prompt_tokens + w.output_tokens / 2  # average context over the decode phase
+    step = int(weights + w.concurrency * mean_ctx * kv.bytes_per_token_config)
+    floor_ms = step / (bw * 1e9) * 1000
+    return Roofline(bandwidth_gbps=bw, bandwidth_source=src, bytes_per_step=step, floor_tpot_ms=floor_ms,
+                    measured_over_floor=tpot_p50_ms / floor_ms if tpot_p50_ms else None)
+
+
+def measure_bandwidth_gbps(mib: int = 256, tries: int = 5) -> float:
+    """Host memory bandwidth a single thread sees (read + write of a large copy)."""
+    import numpy as np
+
+    src = np.ones(mib * 2**20 // 8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(tries):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best / 1e9
 
 
 def weight_bytes(model_dir: Path) -> int:

@@ -197,7 +197,7 @@ def _overall_acc(r: dict) -> float | None:
 
 def _lat(r: dict, kind: str) -> float | None:
     s = r.get("systems")
-    return getattr(getattr(s.latency, kind), "p50") if s and s.latency else None
+    return getattr(s.latency, kind).p50 if s and s.latency else None
 
 
 # objective -> (what it means, key to minimise; None = cannot be ranked on it)
