@@ -107,8 +107,20 @@ class QualitySpec(Strict):
     seed: int = Field(1234, description="Seed for bootstrap resampling.")
 
 
+class CellSpec(Strict):
+    """One more cell of the workload matrix (same request count, timeout and repeats as the
+    primary cell)."""
+
+    prompt_tokens: int = Field(ge=1, description="Prompt length in tokens.")
+    output_tokens: int = Field(ge=2, description="Generated tokens per request.")
+    concurrency: int = Field(ge=1, le=1024, description="Requests in flight at once.")
+    prefix: Literal["unique", "shared"] = Field(
+        "unique", description="unique: every prompt distinct (prefix cache cold); shared: every prompt "
+        "starts with the same first half (the cache is warm after the first request).")
+
+
 class WorkloadSpec(Strict):
-    """One serving cell: fixed-length prompts at a fixed concurrency, streamed."""
+    """The primary serving cell (gates read it) plus an optional matrix of further cells."""
 
     prompt_tokens: int = Field(256, ge=1, description="Prompt length in tokens.")
     output_tokens: int = Field(64, ge=2, description="Generated tokens per request (ignore_eos).")
@@ -121,6 +133,8 @@ class WorkloadSpec(Strict):
     slo_ttft_ms: float | None = Field(None, gt=0, description="Goodput SLO: TTFT at most this.")
     slo_tpot_ms: float | None = Field(None, gt=0, description="Goodput SLO: TPOT at most this.")
     cost_per_hour_usd: float | None = Field(None, ge=0, description="Hardware price, for $ per 1k requests.")
+    matrix: tuple[CellSpec, ...] = Field(
+        (), description="Further cells: prompt x output length x concurrency x prefix sharing.")
     memory_bandwidth_gbps: float | None = Field(
         None, gt=0, description="For the decode roofline; null = measured on the host (numpy copy, "
         "one thread) on CPU. Set it on GPUs (e.g. 4800 for an H200).")
@@ -181,6 +195,11 @@ class Recipe(Strict):
         if need > self.engine.max_model_len:
             raise ValueError(f"workload: prompt_tokens + output_tokens = {need} exceeds "
                              f"engine.max_model_len = {self.engine.max_model_len}")
+        for i, c in enumerate(self.workload.matrix):
+            if c.prompt_tokens + c.output_tokens > self.engine.max_model_len:
+                raise ValueError(f"workload.matrix.{i}: prompt_tokens + output_tokens = "
+                                 f"{c.prompt_tokens + c.output_tokens} exceeds engine.max_model_len = "
+                                 f"{self.engine.max_model_len}")
         for i, g in enumerate(self.gates):
             if g.scope not in ("overall", "each_suite") and g.scope not in self.quality.suites:
                 raise ValueError(f"gates.{i}.scope: {g.scope!r} is not a suite this recipe runs "

@@ -104,6 +104,11 @@ class Latency(Model):
     tpot_p50_spread: float | None = Field(None, description="(max - min) / median of repeats_tpot_p50_ms.")
 
 
+class CellResult(Model):
+    cell: dict = Field(description="prompt_tokens, output_tokens, concurrency, prefix.")
+    latency: Latency
+
+
 class Roofline(Model):
     bandwidth_gbps: float
     bandwidth_source: str
@@ -121,6 +126,7 @@ class SystemsResult(StageResult):
     workload: dict = Field(default_factory=dict)
     latency: Latency | None = None
     roofline: Roofline | None = None
+    cells: list[CellResult] = Field(default_factory=list, description="The workload matrix, if any.")
     timers: str = (
         "TTFT: request sent -> first streamed token received; TPOT: (e2e - TTFT) / (tokens - 1); "
         "ITL: gaps between streamed chunks; e2e: request sent -> last byte. Client-side, "

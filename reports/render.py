@@ -283,6 +283,68 @@ def scatter(title: str, xlabel: str, pts: list[tuple[str, float, float]], lower_
             f"{escape(', '.join(sorted(front)))})</figcaption></figure>")
 
 
+def _cells(s: dict) -> list[tuple[dict, dict]]:
+    """(cell, latency) for the primary cell and every matrix cell of a systems result."""
+    if not s or not s.get("latency"):
+        return []
+    wl = s.get("workload") or {}
+    primary = {k: wl.get(k) for k in ("prompt_tokens", "output_tokens", "concurrency")}
+    return [({**primary, "prefix": "unique"}, s["latency"])] + [(c["cell"], c["latency"]) for c in s.get("cells", [])]
+
+
+def matrix_section(data: dict) -> str:
+    rows, curves = [], {}
+    for name, r in data["variants"].items():
+        for cell, lat in _cells(r["systems"]):
+            label = f"{cell['prompt_tokens']} in / {cell['output_tokens']} out, c={cell['concurrency']}, {cell['prefix']}"
+            rows.append([escape(name), escape(label), fmt(lat["ttft_ms"]["p50"], 1), fmt(lat["ttft_ms"]["p99"], 1),
+                         fmt(lat["tpot_ms"]["p50"], 1), fmt(lat["tpot_ms"]["p99"], 1), fmt(lat["output_tok_per_s"], 1),
+                         f"{lat['completed']} / {lat['failed'] + lat['timed_out']}"])
+            key = (cell["prompt_tokens"], cell["output_tokens"], cell["prefix"])
+            if lat["tpot_ms"]["p50"] is not None:
+                curves.setdefault(key, {}).setdefault(name, []).append((cell["concurrency"], lat["tpot_ms"]["p50"]))
+    if len(rows) <= sum(1 for r in data["variants"].values() if (r["systems"] or {}).get("latency")):
+        return ""  # no matrix beyond the primary cell
+    charts = "".join(line_chart(f"p50 TPOT vs concurrency ({p} in / {o} out, {pre} prefix)", series)
+                     for (p, o, pre), series in curves.items()
+                     if any(len({c for c, _ in pts}) > 1 for pts in series.values()))
+    return ("<h2>Workload matrix</h2>" + table(["variant", "cell", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+                                                "output tok/s", "ok / failed"], rows, left=2) + charts)
+
+
+def line_chart(title: str, series: dict[str, list[tuple[float, float]]]) -> str:
+    """Inline SVG: one polyline per variant of p50 TPOT (ms) against concurrency."""
+    w, h, pad = 460, 260, 52
+    pts = [p for s in series.values() for p in s]
+    x1, y1 = max(x for x, _ in pts) or 1, max(y for _, y in pts) * 1.15 or 1
+
+    def sx(x: float) -> float:
+        return pad + x / x1 * (w - 2 * pad)
+
+    def sy(y: float) -> float:
+        return h - pad - y / y1 * (h - 2 * pad)
+
+    palette = ["#116329", "#0969da", "#bf3989", "#bf8700", "#8250df", "#cf222e"]
+    lines = ""
+    for i, (name, s) in enumerate(series.items()):
+        s = sorted(s)
+        colour = palette[i % len(palette)]
+        lines += (f'<polyline points="{" ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in s)}" fill="none" '
+                  f'stroke="{colour}" stroke-width="2"/>'
+                  + "".join(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{colour}"/>' for x, y in s)
+                  + f'<text x="{sx(s[-1][0]) - 4:.1f}" y="{sy(s[-1][1]) - 8:.1f}" font-size="12" text-anchor="end" '
+                    f'fill="{colour}">{escape(name)}</text>')
+    axes = (f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#57606a"/>'
+            f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="#57606a"/>'
+            f'<text x="{w / 2}" y="{h - 12}" font-size="12" text-anchor="middle">concurrency</text>'
+            f'<text x="14" y="{h / 2}" font-size="12" transform="rotate(-90 14 {h / 2})" text-anchor="middle">'
+            f'p50 TPOT (ms)</text><text x="{w - pad}" y="{h - pad + 16}" font-size="11" text-anchor="end">{x1:g}</text>'
+            f'<text x="{pad - 4}" y="{pad + 4}" font-size="11" text-anchor="end">{y1:.0f}</text>')
+    return (f"<figure style='display:inline-block;margin:0 18px 12px 0'><svg width='{w}' height='{h}' role='img' "
+            f"aria-label='{escape(title)}'>{axes}{lines}</svg><figcaption class='small muted'>{escape(title)}"
+            "</figcaption></figure>")
+
+
 def chart_section(data: dict) -> str:
     def mib_of(r):
         s = r["systems"]
@@ -458,7 +520,7 @@ def render_html(data: dict, run_dir: Path) -> str:
             f"<h1>quantize-eval report: {escape(m['recipe_name'])}</h1>"
             f"<div class='muted small'>{escape(str(run_dir))} · model {escape(m['model_dir'])}</div>"
             + verdict_section(data) + gates_section(data) + quality_section(data) + heatmap_section(data) + chart_section(data)
-            + systems_section(data) + flips_section(data, run_dir) + provenance_section(data)
+            + systems_section(data) + matrix_section(data) + flips_section(data, run_dir) + provenance_section(data)
             + f"<script type='application/json' id='results'>{raw}</script></body></html>")
 
 

@@ -34,7 +34,9 @@ def run(tmp_path_factory):
         "variants": [{"name": "awq", "scheme": "awq_w4a16", "group_size": 64}],
         "quality": {"suites": ["piqa", "siqa"], "limit": 12, "bootstrap_samples": 200},
         "workload": {"prompt_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
-                     "warmup_requests": 1},
+                     "warmup_requests": 1,
+                     "matrix": [{"prompt_tokens": 32, "output_tokens": 8, "concurrency": 1},
+                                {"prompt_tokens": 64, "output_tokens": 8, "concurrency": 2, "prefix": "shared"}]},
         "gates": [{"metric": "checkpoint_bytes_ratio", "op": "<=", "threshold": 0.9},
                   {"metric": "accuracy_delta", "op": ">=", "threshold": -1.0}],
         "runs_dir": str(tmp / "runs"),
@@ -98,6 +100,10 @@ def test_kv_capacity_matches_engine_and_config(run):
     assert lat["output_tokens"] == 4 * 8
     assert 0 < lat["ttft_ms"]["p50"] <= lat["e2e_ms"]["p50"] and lat["tpot_ms"]["p50"] > 0
     assert s["peak_memory_bytes"] > 100 * 2**20
+    cells = s["cells"]
+    assert [(c["cell"]["concurrency"], c["cell"]["prefix"]) for c in cells] == [(1, "unique"), (2, "shared")]
+    assert all(c["latency"]["completed"] == 4 and c["latency"]["output_tokens"] == 32 for c in cells)
+    assert "Workload matrix" in (run["dir"] / "report.html").read_text()
 
 
 def test_quantized_checkpoint_really_differs(run):

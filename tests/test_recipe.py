@@ -205,3 +205,10 @@ def test_group_size_must_tile_the_model(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "variants.0.group_size: 128 does not divide the model's hidden_size = 576" in proc.stderr
     assert "e.g. 64" in proc.stderr and not (tmp_path / "runs").exists()
+
+
+def test_matrix_cells_are_checked_against_max_model_len(tmp_path):
+    d = base()
+    d["workload"]["matrix"] = [{"prompt_tokens": 4000, "output_tokens": 64, "concurrency": 2}]
+    with pytest.raises(RecipeError, match="workload.matrix.0: prompt_tokens \\+ output_tokens = 4064 exceeds"):
+        load(write(tmp_path, d))

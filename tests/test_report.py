@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,32 @@ def test_charts_heatmap_and_csv(run):
     rows = (run / "results.csv").read_text().splitlines()
     assert rows[0].startswith("variant,verdict,slice,n,")
     assert {r.split(",")[2] for r in rows[1:]} == {"piqa", "overall"}
+
+
+def test_workload_matrix_and_concurrency_curve(run):
+    for name in ("baseline", "v4"):
+        p = run / name / "systems.json"
+        d = json.loads(p.read_text())
+        lat = d["latency"]
+        d["workload"].update(output_tokens=64, concurrency=4)
+        d["cells"] = [{"cell": {"prompt_tokens": 256, "output_tokens": 64, "concurrency": c, "prefix": "unique"},
+                       "latency": {**lat, "tpot_ms": {"p50": 10.0 * c, "p95": 11.0 * c, "p99": 12.0 * c}}}
+                      for c in (1, 2)]
+        p.write_text(json.dumps(d))
+    html = render_run(run).read_text()
+    assert "Workload matrix" in html and "256 in / 64 out, c=2, unique" in html
+    assert "p50 TPOT vs concurrency (256 in / 64 out, unique prefix)" in html
+
+
+def test_committed_run_folder_renders(tmp_path):
+    """A small run folder committed to the repo: the report is a pure function of it."""
+    import shutil
+
+    src = Path(__file__).parent / "fixtures" / "run-mini"
+    run = tmp_path / "run-mini"
+    shutil.copytree(src, run)
+    html = render_run(run).read_text()
+    so = json.loads((src / "signoff.json").read_text())
+    assert f"VERDICT: {so['verdict']}" in html
+    assert "&lt;b&gt;Which&lt;/b&gt; way &amp; why?" in html and "<b>Which</b>" not in html
+    assert html.count("Pareto front") == 3

@@ -18,6 +18,7 @@ from pipeline import assets, stats
 from pipeline.engines import loadgen
 from pipeline.engines.server import SERVED_NAME, Server
 from pipeline.results import (
+    CellResult,
     KVCapacity,
     Latency,
     QualityResult,
@@ -101,21 +102,34 @@ def _argmax_norm(lls: list[float], choices: list[str]) -> int:
     return max(range(len(normed)), key=normed.__getitem__)
 
 
-def latency_prompts(tokenizer, count: int, length: int, offset_docs: int = 0) -> list[list[int]]:
-    """`count` distinct prompts of exactly `length` tokens from packaged real prose."""
-    ids: list[int] = []
-    with open(assets.calibration_text("xsum")) as f:
-        docs = [json.loads(line)["text"] for line in f][offset_docs:]
-    prompts = []
-    for doc in docs:
-        ids.extend(tokenizer(doc + "\n\n", add_special_tokens=False)["input_ids"])
-        while len(ids) >= length and len(prompts) < count:
-            prompts.append(ids[:length])
-            ids = ids[length:]
-        if len(prompts) >= count:
-            return prompts
-    raise ValueError(f"the packaged prose holds {len(prompts)} distinct {length}-token prompts; "
-                     f"the workload asks for {count} (lower workload.num_requests or prompt_tokens)")
+class PromptStream:
+    """Exact-length token-id prompts cut in order from packaged real prose, never reused, so
+    every measured request of every cell is distinct (the prefix cache stays cold)."""
+
+    def __init__(self, tokenizer):
+        with open(assets.calibration_text("xsum")) as f:
+            self._docs = iter([json.loads(line)["text"] for line in f])
+        self._tok, self._ids = tokenizer, []
+
+    def take(self, count: int, length: int, shared_prefix: bool = False) -> list[list[int]]:
+        out = []
+        while len(out) < count:
+            while len(self._ids) < length:
+                doc = next(self._docs, None)
+                if doc is None:
+                    raise ValueError(f"the packaged prose ran out of distinct {length}-token prompts "
+                                     "(lower workload.num_requests, repeats or prompt lengths)")
+                self._ids.extend(self._tok(doc + "\n\n", add_special_tokens=False)["input_ids"])
+            out.append(self._ids[:length])
+            self._ids = self._ids[length:]
+        if shared_prefix and out:  # every prompt starts with the same first half
+            head = out[0][:length // 2]
+            out = [head + p[len(head):] for p in out]
+        return out
+
+
+def latency_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    return PromptStream(tokenizer).take(count, length)
 
 
 def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, workload) -> KVCapacity:
@@ -151,28 +165,16 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
     t0 = time.perf_counter()
     w = recipe.workload
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
-    n = w.num_requests
-    prompts = latency_prompts(tok, w.warmup_requests + n * w.repeats, w.prompt_tokens)
-    warm = prompts[:w.warmup_requests]
+    stream = PromptStream(tok)
+    warm = stream.take(w.warmup_requests, w.prompt_tokens)
     if warm:
         loadgen.run_closed_loop(server.port, SERVED_NAME, warm, w.output_tokens,
                                 min(w.concurrency, len(warm)), w.request_timeout_s)
-    records, wall, repeat_p50 = [], 0.0, []
-    for i in range(w.repeats):  # each repeat on fresh prompts: the prefix cache stays cold
-        batch = prompts[w.warmup_requests + i * n: w.warmup_requests + (i + 1) * n]
-        recs, secs = loadgen.run_closed_loop(server.port, SERVED_NAME, batch, w.output_tokens,
-                                             w.concurrency, w.request_timeout_s)
-        records += recs
-        wall += secs
-        p50 = stats.percentiles([r.tpot * 1000 for r in recs if r.tpot is not None])["p50"]
-        if p50 is not None:
-            repeat_p50.append(p50)
+    latency = measure_cell(server, stream, w, w.prompt_tokens, w.output_tokens, w.concurrency, "unique")
+    cells = [CellResult(cell=c.model_dump(), latency=Latency(**measure_cell(
+        server, stream, w, c.prompt_tokens, c.output_tokens, c.concurrency, c.prefix))) for c in w.matrix]
     cache = server.cache_config()
     kv = kv_capacity(cache, model_dir, recipe.engine, kv_bytes_per_elem, w)
-    latency = loadgen.summarize(records, wall, w.slo_ttft_ms, w.slo_tpot_ms, w.cost_per_hour_usd)
-    latency["repeats_tpot_p50_ms"] = repeat_p50
-    if len(repeat_p50) > 1:
-        latency["tpot_p50_spread"] = (max(repeat_p50) - min(repeat_p50)) / stats.percentiles(repeat_p50)["p50"]
     error = None
     if server.proc.poll() is not None:
         error = f"engine exited (code {server.proc.returncode}) during the workload"
@@ -182,9 +184,30 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
         variant=variant, input_hash=input_hash, status="failed" if error else "ok", error=error,
         duration_s=time.perf_counter() - t0,
         checkpoint_bytes=weight_bytes(model_dir), engine_start_s=server.start_s, kv=kv,
-        workload={**w.model_dump(), "prefix_cache": "enabled; measured prompts distinct (cold)"},
-        latency=Latency(**latency),
+        workload={**w.model_dump(), "prefix_cache": "enabled; primary cell: prompts distinct (cold); "
+                  "'shared' matrix cells: same first half (warm after the first request)"},
+        latency=Latency(**latency), cells=cells,
         roofline=roofline(weight_bytes(model_dir), kv, w, latency["tpot_ms"]["p50"]))
+
+
+def measure_cell(server: Server, stream: PromptStream, w, prompt_tokens: int, output_tokens: int,
+                 concurrency: int, prefix: str) -> dict:
+    """One cell, `w.repeats` times on fresh prompts; the summary of all its requests."""
+    records, wall, repeat_p50 = [], 0.0, []
+    for _ in range(w.repeats):
+        batch = stream.take(w.num_requests, prompt_tokens, shared_prefix=prefix == "shared")
+        recs, secs = loadgen.run_closed_loop(server.port, SERVED_NAME, batch, output_tokens, concurrency,
+                                             w.request_timeout_s)
+        records += recs
+        wall += secs
+        p50 = stats.percentiles([r.tpot * 1000 for r in recs if r.tpot is not None])["p50"]
+        if p50 is not None:
+            repeat_p50.append(p50)
+    latency = loadgen.summarize(records, wall, w.slo_ttft_ms, w.slo_tpot_ms, w.cost_per_hour_usd)
+    latency["repeats_tpot_p50_ms"] = repeat_p50
+    if len(repeat_p50) > 1:
+        latency["tpot_p50_spread"] = (max(repeat_p50) - min(repeat_p50)) / stats.percentiles(repeat_p50)["p50"]
+    return latency
 
 
 def roofline(weights: int, kv: KVCapacity, w, tpot_p50_ms: float | None) -> Roofline | None:
