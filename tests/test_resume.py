@@ -124,3 +124,21 @@ def test_sigkill_at_several_points_then_resume(tmp_path):
     assert "quantize: done earlier" in again.stdout
     assert (quality.read_bytes(), quality.stat().st_mtime_ns) == before
     assert json.loads((run_dir / "baseline" / "systems.json").read_text())["latency"]["completed"] == 3
+
+    # 6: Ctrl-C (SIGINT) while an engine serves: exit 130, finished work kept, engine reaped
+    recipe["workload"]["num_requests"] = 5
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    p = start(cmd, tmp_path, env)
+    deadline = time.time() + 600
+    while not (run_dir / "baseline" / "engine.pgid").exists():
+        assert p.poll() is None and time.time() < deadline, "engine never started"
+        time.sleep(0.5)
+    time.sleep(5)
+    os.killpg(p.pid, signal.SIGINT)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 130, out[-2000:]
+    assert "interrupted: finished stages are kept" in out
+    assert not (run_dir / "baseline" / "engine.pgid").exists()
+    time.sleep(2)
+    assert not engines_of(str(model)), "an engine outlived Ctrl-C"
+    assert (quality.read_bytes(), quality.stat().st_mtime_ns) == before
