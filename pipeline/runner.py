@@ -48,6 +48,7 @@ def prepare_environment() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_CACHE", str(home / "hf-datasets"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # lm-eval's progress bars drown the stage lines
 
 
 def resolve_model(recipe: Recipe) -> Path:

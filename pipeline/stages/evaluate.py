@@ -187,7 +187,17 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
         workload={**w.model_dump(), "prefix_cache": "enabled; primary cell: prompts distinct (cold); "
                   "'shared' matrix cells: same first half (warm after the first request)"},
         latency=Latency(**latency), cells=cells,
-        roofline=roofline(weight_bytes(model_dir), kv, w, latency["tpot_ms"]["p50"]))
+        roofline=roofline(loaded_weight_bytes(model_dir, kv_bytes_per_elem), kv, w, latency["tpot_ms"]["p50"]))
+
+
+def loaded_weight_bytes(model_dir: Path, engine_elem_bytes: int) -> int:
+    """Weight bytes the engine reads per step. A dense checkpoint is upcast on load when the
+    engine computes in a wider dtype (bf16 file, float32 engine: twice the bytes); a quantized
+    checkpoint is read as stored (its few unquantized tensors are ignored: approximate)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    stored = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.get("dtype") or cfg.get("torch_dtype"), 2)
+    factor = 1.0 if "quantization_config" in cfg else engine_elem_bytes / stored
+    return int(weight_bytes(model_dir) * factor)
 
 
 def measure_cell(server: Server, stream: PromptStream, w, prompt_tokens: int, output_tokens: int,
@@ -211,8 +221,8 @@ def measure_cell(server: Server, stream: PromptStream, w, prompt_tokens: int, ou
 
 
 def roofline(weights: int, kv: KVCapacity, w, tpot_p50_ms: float | None) -> Roofline | None:
-    """Decode is bandwidth bound: each step reads every weight once plus the batch's KV cache.
-    Floor TPOT = bytes per step / bandwidth. Approximate: ignores activations and caches."""
+    """Decode is bandwidth bound: each step reads every weight once (as loaded) plus the batch's
+    KV cache. Floor TPOT = bytes per step / bandwidth. Approximate: ignores activations, caches."""
     if not kv.bytes_per_token_config:
         return None
     if w.memory_bandwidth_gbps:
