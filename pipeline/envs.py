@@ -122,6 +122,23 @@ def ensure(kind: str) -> Path:
     return target / "bin" / "python"
 
 
+def run_module(kind: str, module: str, args: list[str], log: Path, timeout: float, what: str,
+               hint: str = "") -> None:
+    """Run `python -m module args` in this repo under the `kind` environment, output to `log`.
+    Raises RuntimeError naming `what`, the exit code or timeout, the log's last line and path."""
+    root = str(ROOT)
+    with open(log, "w") as f:
+        try:
+            proc = subprocess.run([str(ensure(kind)), "-m", module, *args], cwd=root, stdout=f,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  env={**os.environ, "PYTHONPATH": root}, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{what} timed out after {timeout:g} s{hint}; log: {log}") from None
+    if proc.returncode != 0:
+        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}): {' '.join(tail)[-300:]} (log: {log})")
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in KINDS:
         sys.exit(f"usage: python3 {sys.argv[0]} {{{'|'.join(KINDS)}}}")

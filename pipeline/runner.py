@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 import traceback
@@ -24,11 +23,11 @@ from pipeline.recipe import Recipe
 from pipeline.results import QualityResult, QuantizeResult, SystemsResult
 from pipeline.runstore import (
     RunDir,
-    dir_bytes,
     hash_obj,
     open_run,
     read_result,
     sha256_file,
+    weight_bytes,
     write_json,
 )
 
@@ -62,8 +61,6 @@ def source_hash(*paths: Path) -> str:
 
 
 def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) -> QuantizeResult:
-    from pipeline.stages.evaluate import weight_bytes
-
     calib = assets.calibration_text(recipe.calibration.dataset)
     req = envs.requirements_file("quantize")
     key = hash_obj({
@@ -86,7 +83,6 @@ def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) ->
         say(v.name, f"quantize: cached checkpoint {ckpt}")
         facts = json.loads(facts_path.read_text())
     else:
-        py = envs.ensure("quantize")
         _drop_stale_tmp(ckpt)
         tmp = ckpt.with_name(ckpt.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -100,26 +96,19 @@ def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) ->
         (vdir / "quantize-spec.json").write_text(json.dumps(spec, indent=2))
         say(v.name, f"quantize: {v.scheme} g{v.group_size or 'channel'} on "
                     f"{recipe.calibration.num_samples}x{recipe.calibration.max_seq_len} calibration tokens")
-        log = vdir / "quantize.log"
         (vdir / "quantize-worker.json").unlink(missing_ok=True)
-        with open(log, "w") as f:
-            try:
-                proc = subprocess.run([str(py), "-m", "pipeline.engines.quantize_worker",
-                                       str(vdir / "quantize-spec.json"), str(vdir / "quantize-worker.json")],
-                                      cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                      timeout=recipe.calibration.timeout_s)
-            except subprocess.TimeoutExpired:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise RuntimeError(f"quantization timed out after {recipe.calibration.timeout_s:g} s "
-                                   f"(calibration.timeout_s); log: {log}") from None
-        if proc.returncode != 0 or not (vdir / "quantize-worker.json").exists():
+        try:
+            envs.run_module("quantize", "pipeline.engines.quantize_worker",
+                            [str(vdir / "quantize-spec.json"), str(vdir / "quantize-worker.json")],
+                            vdir / "quantize.log", recipe.calibration.timeout_s, "quantization",
+                            hint=" (calibration.timeout_s)")
+            if not (vdir / "quantize-worker.json").exists():
+                raise RuntimeError(f"quantization wrote no result; log: {vdir / 'quantize.log'}")
+        except RuntimeError:
             shutil.rmtree(tmp, ignore_errors=True)
-            tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
-            raise RuntimeError(f"quantization failed (exit {proc.returncode}): "
-                               f"{' '.join(tail)[-300:]} (log: {log})")
+            raise
         facts = json.loads((vdir / "quantize-worker.json").read_text())
-        facts["warnings"] = _warnings(log)
+        facts["warnings"] = _warnings(vdir / "quantize.log")
         write_json(tmp / "qe-checkpoint.json", facts)
         shutil.rmtree(ckpt, ignore_errors=True)
         os.replace(tmp, ckpt)
@@ -164,15 +153,12 @@ def dense_copy(qr: QuantizeResult, vdir: Path) -> Path:
         return out
     _drop_stale_tmp(out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    log = vdir / "dequantize.log"
-    with open(log, "w") as f:
-        proc = subprocess.run([str(envs.ensure("quantize")), "-m", "pipeline.engines.dequantize_worker",
-                               qr.checkpoint_dir, str(tmp)], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                              timeout=3600)
-    if proc.returncode != 0:
+    try:
+        envs.run_module("quantize", "pipeline.engines.dequantize_worker", [qr.checkpoint_dir, str(tmp)],
+                        vdir / "dequantize.log", 3600, "dequantization")
+    except RuntimeError:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"dequantization failed (exit {proc.returncode}); log: {log}")
+        raise
     os.replace(tmp, out)
     return out
 
@@ -250,7 +236,7 @@ def preflight(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
             k, d = next(iter(bad.items()))
             raise PreflightError(f"{recipe_path}: variants.{i}.group_size: {v.group_size} does not divide the "
                                  f"model's {k} = {d}; pick a divisor (e.g. {_divisor(d)}) or null for per-channel")
-    weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) or dir_bytes(model_dir)
+    weights = weight_bytes(model_dir)
     need = weights * (len(recipe.variants) + 1)  # each checkpoint (and its dense copy) < the model
     home = envs.home()
     home.mkdir(parents=True, exist_ok=True)

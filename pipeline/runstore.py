@@ -57,6 +57,13 @@ def dir_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
+def weight_bytes(model_dir: Path) -> int:
+    """Bytes of the weight files alone (safetensors, else .bin), counted the same way for the
+    baseline and every variant; tokenizer files and stray copies do not count."""
+    files = list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
+    return sum(p.stat().st_size for p in files) if files else dir_bytes(model_dir)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -26,7 +26,7 @@ from pipeline.results import (
     SuiteQuality,
     SystemsResult,
 )
-from pipeline.runstore import atomic_write_text, dir_bytes, write_json
+from pipeline.runstore import atomic_write_text, weight_bytes, write_json
 
 EVALSUITES = Path(__file__).resolve().parent.parent.parent / "evalsuites"
 CORRECT_METRIC = "acc_norm"  # per-item correctness: length-normalised loglikelihood argmax
@@ -248,13 +248,6 @@ def measure_bandwidth_gbps(mib: int = 256, tries: int = 5) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t)
     return 2 * src.nbytes / best / 1e9
-
-
-def weight_bytes(model_dir: Path) -> int:
-    """Bytes of the weight files alone (safetensors, else .bin), counted the same way for the
-    baseline and every variant; tokenizer files and stray copies do not count."""
-    files = list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
-    return sum(p.stat().st_size for p in files) if files else dir_bytes(model_dir)
 
 
 def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
