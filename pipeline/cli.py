@@ -6,6 +6,9 @@
     quantize-eval report RUN_DIR    re-render report.html/results.json from a run folder
     quantize-eval compare A B       what changed between two runs; exit 1 on a regression,
                                     3 when the runs are not like for like
+    quantize-eval make-legacy MODEL OUT --format gptq|awq
+                                    an RTN 4-bit checkpoint in AutoGPTQ/AutoAWQ layout, to
+                                    try `scheme: import` (recipes/import.yaml)
 
 Bad input exits 2 with one line naming the field or file.
 """
@@ -26,7 +29,7 @@ def fail(msg: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in ("run", "validate", "report", "compare", "-h", "--help"):
+    if argv and argv[0] not in ("run", "validate", "report", "compare", "make-legacy", "-h", "--help"):
         argv.insert(0, "run")
     parser = argparse.ArgumentParser(prog="quantize-eval", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -35,11 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--fresh", action="store_true", help="start a new run folder, no resume")
     p_val = sub.add_parser("validate", help="check a recipe without running anything")
     p_val.add_argument("recipe")
+    p_val.add_argument("--support", action="store_true",
+                       help="also say how this machine's engine would run each variant (asks the engine)")
     p_rep = sub.add_parser("report", help="re-render the report of a run folder")
     p_rep.add_argument("run_dir")
     p_cmp = sub.add_parser("compare", help="what changed between two runs, beyond noise")
     p_cmp.add_argument("run_a")
     p_cmp.add_argument("run_b")
+    p_leg = sub.add_parser("make-legacy", help="write an RTN 4-bit checkpoint in AutoGPTQ/AutoAWQ layout")
+    p_leg.add_argument("model_dir")
+    p_leg.add_argument("out_dir")
+    p_leg.add_argument("--format", choices=("gptq", "awq"), required=True)
+    p_leg.add_argument("--group", type=int, default=64)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -57,6 +67,21 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lines))
         return 1 if regressed else (3 if not alike else 0)
 
+    if args.cmd == "make-legacy":
+        from pipeline import legacy_formats
+
+        src, out = Path(args.model_dir), Path(args.out_dir)
+        if not (src / "config.json").is_file():
+            return fail(f"{src}: not a model directory (no config.json)")
+        if (out / "config.json").exists():
+            return fail(f"{out}: already holds a checkpoint; remove it or pick another folder")
+        try:
+            legacy_formats.write(src, out, args.format, args.group)
+        except (ValueError, RuntimeError, KeyError) as exc:
+            return fail(f"{src}: cannot write a {args.format} checkpoint: {str(exc).splitlines()[0]}")
+        print(out)
+        return 0
+
     if args.cmd == "report":
         from reports.render import ReportError, render_run
 
@@ -72,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "validate":
         print(f"{args.recipe}: ok ({len(recipe.variants)} variant(s) + baseline, "
               f"{len(recipe.gates)} gate(s))")
+        if args.support:
+            from pipeline import runner
+
+            for name, d in runner.support_table(recipe):
+                print(f"  {name:>24}  {d.mode:<11} {d.reason}")
         return 0
     import signal
 

@@ -17,7 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pipeline import metrics
 
-SCHEMES = ("awq_w4a16", "gptq_w4a16", "rtn_w4a16")
+# llm-compressor schemes (quantized offline), load-time schemes (quantized by vLLM as it
+# loads), and the two that bring their own checkpoint or recipe
+LLMC_SCHEMES = ("awq_w4a16", "gptq_w4a16", "rtn_w4a16", "w8a8_int8", "fp8_block", "fp8_dynamic")
+W4_SCHEMES = ("awq_w4a16", "gptq_w4a16", "rtn_w4a16")
+SCHEMES = (*LLMC_SCHEMES, "bnb_nf4", "bnb_int8", "none", "import", "custom")
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
 BUILTIN_CALIBRATION = ("xsum",)
 BUILTIN_SUITES = ("piqa", "siqa")
@@ -77,10 +81,28 @@ class CalibrationSpec(Strict):
 
 class VariantSpec(Strict):
     name: str = Field(pattern=NAME, description="Short unique name; a folder of the run.")
-    scheme: Literal[SCHEMES] = Field(description="Quantization scheme.")  # type: ignore[valid-type]
+    scheme: Literal[SCHEMES] = Field(description=(  # type: ignore[valid-type]
+        "awq_w4a16 | gptq_w4a16 | rtn_w4a16: 4-bit weights (llm-compressor); w8a8_int8: SmoothQuant + "
+        "GPTQ INT8 weights, dynamic per-token INT8 activations; fp8_block: FP8 weights in 128x128 "
+        "blocks, dynamic FP8 activations per 128-group; fp8_dynamic: FP8 per-channel weights, dynamic "
+        "per-token activations; bnb_nf4: bitsandbytes NF4, quantized by vLLM at load; bnb_int8: "
+        "bitsandbytes LLM.int8 (pre-quantized by transformers); none: weights as the baseline (for "
+        "KV-cache-only variants); import: an existing checkpoint (checkpoint:); custom: your own "
+        "llm-compressor recipe file (recipe:)."))
     group_size: int | None = Field(
         64, description="Weight group size for 4-bit schemes; null = per channel.")
     ignore: tuple[str, ...] = Field(("lm_head",), description="Modules left unquantized.")
+    kv_cache: Literal["auto", "fp8", "fp8_calibrated"] = Field(
+        "auto", description="auto: KV cache in the activation dtype, as the baseline; fp8: the engine "
+        "option kv_cache_dtype=fp8 with no calibrated scales; fp8_calibrated: per-tensor K/V scales "
+        "calibrated by llm-compressor, stored in the checkpoint, served with kv_cache_dtype=fp8.")
+    checkpoint: str | None = Field(
+        None, description="scheme import: a local checkpoint directory (GPTQ or AWQ format as "
+        "AutoGPTQ/AutoAWQ wrote it, or compressed-tensors) made from this recipe's model.")
+    recipe: str | None = Field(
+        None, description="scheme custom: an llm-compressor recipe YAML file, used unchanged.")
+    smoothing_strength: float = Field(
+        0.8, gt=0, lt=1, description="w8a8_int8: SmoothQuant migration strength.")
 
     @field_validator("group_size")
     @classmethod
@@ -95,6 +117,26 @@ class VariantSpec(Strict):
         if v == "baseline":
             raise ValueError("'baseline' is implicit; give the variant another name")
         return v
+
+    @model_validator(mode="after")
+    def _fields_fit_scheme(self) -> VariantSpec:
+        if (self.scheme == "import") != (self.checkpoint is not None):
+            raise ValueError("checkpoint is set exactly when scheme is import")
+        if (self.scheme == "custom") != (self.recipe is not None):
+            raise ValueError("recipe is set exactly when scheme is custom")
+        if "group_size" in self.model_fields_set and self.group_size is not None and self.scheme not in W4_SCHEMES:
+            raise ValueError(f"group_size: only the 4-bit schemes take one ({', '.join(W4_SCHEMES)})")
+        if self.scheme == "none" and self.kv_cache == "auto":
+            raise ValueError("scheme none changes nothing unless kv_cache is fp8 or fp8_calibrated")
+        if self.kv_cache == "fp8_calibrated" and self.scheme not in (*LLMC_SCHEMES, "none"):
+            raise ValueError(f"kv_cache fp8_calibrated needs an llm-compressor scheme, not {self.scheme}; "
+                             "put kv_cache_scheme in your own recipe, or use kv_cache: fp8")
+        return self
+
+    @property
+    def quantized_offline(self) -> bool:
+        """Does llm-compressor (or transformers) write a checkpoint for this variant?"""
+        return self.scheme in (*LLMC_SCHEMES, "bnb_int8", "custom") or self.kv_cache == "fp8_calibrated"
 
 
 class QualitySpec(Strict):
@@ -259,7 +301,44 @@ def load(path: str | Path) -> Recipe:
         raise RecipeError(f"{p}: {_loc(err)}: {_one_line(msg)}{more}") from None
     if recipe.model.path is not None:
         check_model_dir(Path(recipe.model.path), p)
+    for i, v in enumerate(recipe.variants):
+        if v.checkpoint is not None:
+            check_checkpoint_dir(Path(v.checkpoint), p, f"variants.{i}.checkpoint")
+        if v.recipe is not None:
+            check_llmc_recipe(Path(v.recipe), p, f"variants.{i}.recipe")
     return recipe
+
+
+IMPORT_FORMATS = ("gptq", "awq", "compressed-tensors")
+
+
+def check_checkpoint_dir(ckpt: Path, recipe_path: Path, field: str) -> None:
+    import json
+
+    if not (ckpt / "config.json").is_file():
+        raise RecipeError(f"{recipe_path}: {field}: {ckpt} has no config.json")
+    try:
+        qc = json.loads((ckpt / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError) as exc:
+        raise RecipeError(f"{recipe_path}: {field}: {ckpt / 'config.json'} is not valid JSON: {exc}") from None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method not in IMPORT_FORMATS:
+        raise RecipeError(f"{recipe_path}: {field}: {ckpt / 'config.json'} quantization_config.quant_method is "
+                          f"{method!r}; importable formats: {', '.join(IMPORT_FORMATS)}")
+    if not any(ckpt.glob("*.safetensors")):
+        raise RecipeError(f"{recipe_path}: {field}: {ckpt} has no *.safetensors weights")
+
+
+def check_llmc_recipe(path: Path, recipe_path: Path, field: str) -> None:
+    if not path.is_file():
+        raise RecipeError(f"{recipe_path}: {field}: {path} not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{recipe_path}: {field}: {path} is not valid YAML: {_one_line(exc)}") from None
+    if not isinstance(data, dict) or not data:
+        raise RecipeError(f"{recipe_path}: {field}: {path} is not an llm-compressor recipe (a YAML mapping "
+                          "of stages to modifiers)")
 
 
 def check_model_dir(model_dir: Path, recipe_path: Path) -> None:

@@ -38,6 +38,8 @@ class QuantizeResult(StageResult):
     quantize_wall_s: float | None = None
     llmcompressor_recipe: str | None = None
     ignored_modules: list[str] = Field(default_factory=list)
+    facts: dict = Field(default_factory=dict, description="bits_per_weight in effect, base_parameters, "
+                        "unquantized_modules (2-D weights left in floating point), tensor_dtypes")
     warnings: list[str] = Field(default_factory=list)
     versions: dict[str, str] = Field(default_factory=dict)
 

@@ -18,8 +18,8 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline import assets, envs, provenance, resultcache, support
-from pipeline.recipe import Recipe
+from pipeline import assets, checkpoints, envs, provenance, resultcache, support
+from pipeline.recipe import W4_SCHEMES, Recipe
 from pipeline.results import QualityResult, QuantizeResult, SystemsResult
 from pipeline.runstore import (
     RunDir,
@@ -34,6 +34,15 @@ from pipeline.runstore import (
 ROOT = Path(__file__).resolve().parent.parent
 NOISE = ("No accelerator available",)
 ENGINE_STARTS: list[str] = []  # variants that started an engine in this invocation
+QUANTIZER_BUSY = [0.0]  # seconds quantize-env workers ran (quantize, dequantize) in this invocation
+
+
+def run_quantize_env(module: str, args: list[str], log: Path, timeout: float, what: str, hint: str = "") -> None:
+    t0 = time.perf_counter()
+    try:
+        envs.run_module("quantize", module, args, log, timeout, what, hint=hint)
+    finally:
+        QUANTIZER_BUSY[0] += time.perf_counter() - t0
 
 
 def say(variant: str, msg: str) -> None:
@@ -60,11 +69,15 @@ def source_hash(*paths: Path) -> str:
     return hash_obj([sha256_file(p) for p in paths])
 
 
-def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) -> QuantizeResult:
+def quantize_key(recipe: Recipe, v, model_hash: str) -> str:
+    """Everything that changes a checkpoint; the cache folder is named by it."""
     calib = assets.calibration_text(recipe.calibration.dataset)
     req = envs.requirements_file("quantize")
-    key = hash_obj({
+    return hash_obj({
         "model": model_hash, "scheme": v.scheme, "group_size": v.group_size, "ignore": v.ignore,
+        **({"kv_cache": v.kv_cache} if v.kv_cache != "auto" else {}),
+        **({"smoothing_strength": v.smoothing_strength} if v.scheme == "w8a8_int8" else {}),
+        **({"recipe_file": sha256_file(Path(v.recipe))} if v.recipe else {}),
         "calibration": recipe.calibration.model_dump(exclude={"timeout_s"}),
         "calibration_dtype": provenance.resolve_dtype(recipe.calibration.dtype),
         "calibration_sha256": sha256_file(calib), "seed": recipe.engine.seed,
@@ -72,6 +85,11 @@ def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) ->
         "quantize_env": req.read_text(),
         "worker": source_hash(ROOT / "pipeline" / "engines" / "quantize_worker.py"),
     })
+
+
+def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) -> QuantizeResult:
+    calib = assets.calibration_text(recipe.calibration.dataset)
+    key = quantize_key(recipe, v, model_hash)
     done = read_result(vdir / "quantize.json", QuantizeResult, key)
     if done and done.status == "ok" and Path(done.checkpoint_dir, "qe-checkpoint.json").exists():
         say(v.name, f"quantize: done earlier ({done.checkpoint_dir})")
@@ -88,17 +106,21 @@ def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) ->
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         spec = {"model_dir": str(model_dir), "out_dir": str(tmp), "scheme": v.scheme,
-                "group_size": v.group_size, "ignore": list(v.ignore),
+                "group_size": v.group_size, "ignore": list(v.ignore), "kv_cache": v.kv_cache,
+                "smoothing_strength": v.smoothing_strength,
+                "recipe_file": str(Path(v.recipe).resolve()) if v.recipe else None,
                 "calibration_file": str(calib), "num_samples": recipe.calibration.num_samples,
                 "max_seq_len": recipe.calibration.max_seq_len, "seed": recipe.engine.seed,
                 "trust_remote_code": recipe.model.trust_remote_code,
                 "calibration_dtype": provenance.resolve_dtype(recipe.calibration.dtype)}
         (vdir / "quantize-spec.json").write_text(json.dumps(spec, indent=2))
-        say(v.name, f"quantize: {v.scheme} g{v.group_size or 'channel'} on "
+        what = v.scheme + (f" g{v.group_size or 'channel'}" if v.scheme in W4_SCHEMES else "") + (
+            f" + kv {v.kv_cache}" if v.kv_cache != "auto" else "") + (f" ({v.recipe})" if v.recipe else "")
+        say(v.name, f"quantize: {what} on "
                     f"{recipe.calibration.num_samples}x{recipe.calibration.max_seq_len} calibration tokens")
         (vdir / "quantize-worker.json").unlink(missing_ok=True)
         try:
-            envs.run_module("quantize", "pipeline.engines.quantize_worker",
+            run_quantize_env("pipeline.engines.quantize_worker",
                             [str(vdir / "quantize-spec.json"), str(vdir / "quantize-worker.json")],
                             vdir / "quantize.log", recipe.calibration.timeout_s, "quantization",
                             hint=" (calibration.timeout_s)")
@@ -113,15 +135,18 @@ def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) ->
         shutil.rmtree(ckpt, ignore_errors=True)
         os.replace(tmp, ckpt)
     cfg = json.loads((ckpt / "config.json").read_text()).get("quantization_config", {})
+    size = weight_bytes(ckpt)
     result = QuantizeResult(
         variant=v.name, input_hash=key, status="ok", duration_s=facts["wall_s"], scheme=v.scheme,
-        checkpoint_dir=str(ckpt), checkpoint_bytes=weight_bytes(ckpt), cache_key=key[:24], cached=cached,
+        checkpoint_dir=str(ckpt), checkpoint_bytes=size, cache_key=key[:24], cached=cached,
+        facts=checkpoints.facts(ckpt, model_dir, size),
         peak_rss_bytes=facts["peak_rss_bytes"], quantize_wall_s=facts["wall_s"],
-        llmcompressor_recipe=facts["recipe"], ignored_modules=list(cfg.get("ignore", [])),
+        llmcompressor_recipe=facts["recipe"],
+        ignored_modules=list(cfg.get("ignore") or cfg.get("llm_int8_skip_modules") or []),
         warnings=facts.get("warnings", []), versions=facts["versions"])
     write_json(vdir / "quantize.json", result)
-    say(v.name, f"quantize: {result.checkpoint_bytes / 2**20:.0f} MiB in {result.quantize_wall_s:.0f} s"
-                f"{' (cached)' if cached else ''}")
+    say(v.name, f"quantize: {result.checkpoint_bytes / 2**20:.0f} MiB, {result.facts['bits_per_weight']} bits/weight "
+                f"in effect, in {result.quantize_wall_s:.0f} s{' (cached)' if cached else ''}")
     return result
 
 
@@ -154,7 +179,7 @@ def dense_copy(qr: QuantizeResult, vdir: Path) -> Path:
     _drop_stale_tmp(out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     try:
-        envs.run_module("quantize", "pipeline.engines.dequantize_worker", [qr.checkpoint_dir, str(tmp)],
+        run_quantize_env("pipeline.engines.dequantize_worker", [qr.checkpoint_dir, str(tmp)],
                         vdir / "dequantize.log", 3600, "dequantization")
     except RuntimeError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -163,8 +188,10 @@ def dense_copy(qr: QuantizeResult, vdir: Path) -> Path:
     return out
 
 
-def evaluate_inputs(recipe: Recipe, weights_hash: str, dtype: str) -> tuple[str, str]:
+def evaluate_inputs(recipe: Recipe, weights_hash: str, dtype: str, extra_args: list[str]) -> tuple[str, str]:
     engine = recipe.engine.model_dump(exclude={"startup_timeout_s"})
+    if extra_args:  # absent for plain variants, so earlier results keep their keys
+        engine["variant_args"] = [a for a in extra_args if not a.startswith("/")]
     common = {"weights": weights_hash, "engine": engine, "dtype": dtype,
               "engine_env": envs.requirements_file("engine").read_text(),
               "hardware": provenance.hardware()}
@@ -178,12 +205,15 @@ def evaluate_inputs(recipe: Recipe, weights_hash: str, dtype: str) -> tuple[str,
 
 
 def evaluate_variant(recipe: Recipe, name: str, model_dir: Path, weights_hash: str, dtype: str,
-                     run: RunDir, systems_skip: str | None = None, checkpoint_bytes: int | None = None) -> dict:
-    """Quality and systems for one set of weights; systems_skip records why systems are not measured."""
+                     run: RunDir, systems_skip: str | None = None, checkpoint_bytes: int | None = None,
+                     extra_args: list[str] | None = None) -> dict:
+    """Quality and systems for one set of weights; systems_skip records why systems are not measured;
+    extra_args are the engine options this variant changes on purpose (e.g. an FP8 KV cache)."""
     from pipeline.stages.evaluate import evaluate
 
     vdir = run.variant(name)
-    qh, sh = evaluate_inputs(recipe, weights_hash, dtype)
+    extra_args = list(extra_args or [])
+    qh, sh = evaluate_inputs(recipe, weights_hash, dtype, extra_args)
     q = read_result(vdir / "quality.json", QualityResult, qh)
     s = read_result(vdir / "systems.json", SystemsResult, sh)
     q = q if q and q.status == "ok" else None  # a failed attempt is retried, never reused
@@ -204,11 +234,111 @@ def evaluate_variant(recipe: Recipe, name: str, model_dir: Path, weights_hash: s
         x for x, need in (("quality", q is None), ("systems", s is None)) if need) + ")")
     ENGINE_STARTS.append(name)
     q2, s2 = evaluate(model_dir, recipe, name, vdir, dtype, None if q else qh, None if s else sh,
-                      run.root / "tasks", log=lambda m: say(name, m))
+                      run.root / "tasks", log=lambda m: say(name, m), extra_args=extra_args)
     for stage, r in (("quality", q2), ("systems", s2)):
         if r is not None:
             resultcache.store(stage, r, vdir, run.root)
     return {"quality": q or q2, "systems": s or s2}
+
+
+def engine_extra_args(v, weights_dir: Path, model_dir: Path) -> list[str]:
+    """What a variant changes in the engine command line, on purpose (the rest is identical)."""
+    extra = []
+    if v.kv_cache != "auto":
+        extra += ["--kv-cache-dtype", "fp8"]
+    if v.scheme == "bnb_nf4":  # vLLM quantizes to NF4 as it loads the base weights
+        extra += ["--quantization", "bitsandbytes"]
+    if not any((weights_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        extra += ["--tokenizer", str(model_dir)]  # imported checkpoints often carry none
+    return extra
+
+
+def import_checkpoint(v, vdir: Path, base: Path) -> QuantizeResult:
+    """An existing checkpoint as a variant: nothing is quantized, its facts are recorded."""
+    ckpt = Path(v.checkpoint).resolve()
+    hashes = provenance.model_hashes(ckpt)
+    key = hash_obj(hashes)
+    done = read_result(vdir / "quantize.json", QuantizeResult, key)
+    if done and done.status == "ok":
+        return done
+    cfg = json.loads((ckpt / "config.json").read_text())
+    qc = cfg.get("quantization_config", {})
+    size = weight_bytes(ckpt)
+    result = QuantizeResult(
+        variant=v.name, input_hash=key, status="ok", duration_s=0.0, scheme=f"import ({qc.get('quant_method')})",
+        checkpoint_dir=str(ckpt), checkpoint_bytes=size, cache_key=key[:24], cached=True,
+        llmcompressor_recipe=None, ignored_modules=list(qc.get("ignore") or qc.get("modules_to_not_convert") or []),
+        facts=checkpoints.facts(ckpt, base, size), versions={"producer": str(qc.get("quant_method"))})
+    write_json(vdir / "quantize.json", result)
+    say(v.name, f"import: {ckpt} ({qc.get('quant_method')}, {size / 2**20:.0f} MiB, "
+                f"{result.facts['bits_per_weight']} bits/weight in effect)")
+    return result
+
+
+def variant_format(v) -> support.Format | None:
+    """What the engine will be asked to run; None for a custom recipe until its checkpoint exists."""
+    if v.scheme == "import":
+        fmt = support.checkpoint_format(json.loads((Path(v.checkpoint) / "config.json").read_text()))
+        return support.Format(fmt.weights, fmt.kv_fp8 or v.kv_cache != "auto", fmt.detail)
+    if v.scheme == "custom":
+        return None
+    return support.scheme_format(v.scheme, v.kv_cache)
+
+
+def run_variant(recipe: Recipe, v, model_dir: Path, model_id: str, dtype: str, run_dir: RunDir,
+                vdir: Path) -> dict:
+    """Support decision -> weights (quantized, imported, or the base for load-time schemes) ->
+    evaluation; a variant this engine cannot run ends SKIPPED before anything is spent on it."""
+    model_cfg = json.loads((model_dir / "config.json").read_text())
+
+    def judge(fmt: support.Format) -> support.Decision:
+        decision = support.decide(fmt, model_cfg)
+        write_json(vdir / "support.json", {**decision.__dict__, "format": fmt.weights, "kv_fp8": fmt.kv_fp8,
+                                           "read_from": fmt.detail})
+        if decision.mode == "unsupported":
+            say(v.name, f"SKIPPED: {decision.reason}")
+        return decision
+
+    fmt = variant_format(v)
+    decision = judge(fmt) if fmt else None
+    if decision and decision.mode == "unsupported":
+        return {"skipped": decision.reason}
+    qr = None
+    if v.scheme == "import":
+        qr = import_checkpoint(v, vdir, model_dir)
+    elif v.quantized_offline:
+        qr = quantize(recipe, v, model_dir, model_id, vdir)
+    if v.scheme == "custom":
+        cfg = json.loads((Path(qr.checkpoint_dir) / "config.json").read_text())
+        decision = judge(support.checkpoint_format(cfg))
+        if decision.mode == "unsupported":
+            return {"skipped": decision.reason, "quantize": qr}
+    weights_dir = Path(qr.checkpoint_dir) if qr else model_dir
+    weights_hash = qr.input_hash if qr else model_id
+    extra = engine_extra_args(v, weights_dir, model_dir)
+    if decision.mode == "emulated":
+        say(v.name, f"engine support: {decision.reason}")
+        result = evaluate_variant(
+            recipe, v.name, dense_copy(qr, vdir), hash_obj([qr.input_hash, "dense", source_hash(DEQUANTIZE_WORKER)]),
+            dtype, run_dir, systems_skip=decision.reason, checkpoint_bytes=qr.checkpoint_bytes, extra_args=extra)
+    else:
+        result = evaluate_variant(recipe, v.name, weights_dir, weights_hash, dtype, run_dir, extra_args=extra,
+                                  checkpoint_bytes=qr.checkpoint_bytes if qr else None)
+    if qr:
+        result["quantize"] = qr
+    return result
+
+
+def support_table(recipe: Recipe) -> list[tuple[str, support.Decision]]:
+    """Each variant's decision on this machine, as far as it is known before quantizing
+    (a custom recipe's format is only known once its checkpoint exists)."""
+    model_cfg = json.loads((resolve_model(recipe) / "config.json").read_text())
+    rows = []
+    for v in recipe.variants:
+        fmt = variant_format(v)
+        rows.append((v.name, support.decide(fmt, model_cfg) if fmt else support.Decision(
+            "unknown", support.platform_name(), "decided after your recipe writes its checkpoint")))
+    return rows
 
 
 class PreflightError(Exception):
@@ -231,6 +361,8 @@ def preflight(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
     if text_cfg.get("num_attention_heads") and text_cfg.get("head_dim"):
         dims["num_attention_heads * head_dim"] = text_cfg["num_attention_heads"] * text_cfg["head_dim"]
     for i, v in enumerate(recipe.variants):  # a group must tile every Linear's input features
+        if v.scheme not in W4_SCHEMES:
+            continue
         bad = {k: d for k, d in dims.items() if d and v.group_size and d % v.group_size}
         if bad:
             k, d = next(iter(bad.items()))
@@ -261,6 +393,10 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
 
     prepare_environment()
     ENGINE_STARTS.clear()
+    QUANTIZER_BUSY[0] = 0.0
+    from pipeline.engines.server import BUSY
+
+    BUSY["engine"] = 0.0
     t_run = time.perf_counter()
     recipe_hash = hash_obj(recipe.model_dump(mode="json"))
     try:
@@ -301,23 +437,7 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
                 continue
             else:
                 v = next(x for x in recipe.variants if x.name == name)
-                decision = support.decide(v.scheme)
-                write_json(vdir / "support.json", decision.__dict__)
-                if decision.mode == "unsupported":
-                    say(name, f"SKIPPED: {decision.reason}")
-                    results[name] = {"skipped": decision.reason}
-                    continue
-                qr = quantize(recipe, v, model_dir, model_id, vdir)
-                if decision.mode == "emulated":
-                    say(name, f"engine support: {decision.reason}")
-                    results[name] = evaluate_variant(
-                        recipe, name, dense_copy(qr, vdir),
-                        hash_obj([qr.input_hash, "dense", source_hash(DEQUANTIZE_WORKER)]), dtype, run_dir,
-                        systems_skip=decision.reason, checkpoint_bytes=qr.checkpoint_bytes)
-                else:
-                    results[name] = evaluate_variant(recipe, name, Path(qr.checkpoint_dir),
-                                                     qr.input_hash, dtype, run_dir)
-                results[name]["quantize"] = qr
+                results[name] = run_variant(recipe, v, model_dir, model_id, dtype, run_dir, vdir)
             (vdir / "error.json").unlink(missing_ok=True)
         except Exception as exc:  # isolate: one broken variant must not sink the others
             msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
@@ -331,6 +451,9 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
     manifest["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     manifest["wall_s"] = {"total": time.perf_counter() - t_run, **timings}
     manifest["engine_starts"] = len(ENGINE_STARTS)
+    busy = BUSY["engine"] + QUANTIZER_BUSY[0]
+    manifest["busy_s"] = {"engine": BUSY["engine"], "quantizer": QUANTIZER_BUSY[0],
+                          "overhead_ratio": (time.perf_counter() - t_run) / busy if busy else None}
     write_json(run_dir.manifest, manifest)
     from reports.render import render_run
 
@@ -343,6 +466,7 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
     print(f"\nVERDICT: {so.verdict}" + (f"  recommended: {so.recommended}" if so.recommended else ""))
     print(f"report:  {report}")
     print(f"results: {run_dir.root / 'results.json'}")
-    print(f"wall:    {time.perf_counter() - t_run:.0f} s, {len(ENGINE_STARTS)} engine start(s)")
+    print(f"wall:    {time.perf_counter() - t_run:.0f} s, {len(ENGINE_STARTS)} engine start(s); engines busy "
+          f"{BUSY['engine']:.0f} s, quantizer busy {QUANTIZER_BUSY[0]:.0f} s")
     sys.stdout.flush()
     return so.exit_code

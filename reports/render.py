@@ -511,6 +511,36 @@ def provenance_section(data: dict) -> str:
             + table(["", ""], rows, left=2))
 
 
+def schemes_section(data: dict) -> str:
+    """What each variant is, how this engine ran it, and what its checkpoint costs per weight."""
+    variants = {v["name"]: v for v in data["manifest"]["recipe"]["variants"]}
+    rows = []
+    for name, r in data["variants"].items():
+        if name == "baseline":
+            continue
+        v, sup, qz = variants.get(name, {}), r.get("support") or {}, r.get("quantize") or {}
+        facts = qz.get("facts") or {}
+        scheme = v.get("scheme", "?") + ("" if v.get("kv_cache", "auto") == "auto" else f" + KV {v['kv_cache']}")
+        mode = sup.get("mode")
+        shown = {"native": "native", "emulated": "emulated (quality only)", "unsupported": "SKIPPED"}.get(mode, "–")
+        unq = facts.get("unquantized_modules")
+        rows.append([escape(name), escape(scheme), escape(sup.get("format", "–")),
+                     tag("SKIPPED") if mode == "unsupported" else escape(shown),
+                     mib(qz.get("checkpoint_bytes")), fmt(facts.get("bits_per_weight"), 2),
+                     escape("–" if unq is None else (", ".join(unq[:4]) + (f" +{len(unq) - 4} more" if len(unq) > 4
+                                                                         else "") or "none")),
+                     fmt(qz.get("quantize_wall_s"), 0), mib(qz.get("peak_rss_bytes")),
+                     escape(sup.get("reason", "–"))])
+    if not rows:
+        return ""
+    return ("<h2>Schemes and engine support</h2><p class='small muted'>Decided before any work from the "
+            "installed engine's own answers (kernels in its ISA library, its kernels' is_supported(), its "
+            "attention backend). Bits/weight in effect = all weight bytes on disk × 8 / base parameters "
+            "(scales and unquantized layers included). Unquantized: 2-D weights left in floating point.</p>"
+            + table(["variant", "scheme", "format", "here", "checkpoint", "bits/weight", "unquantized",
+                     "quantize s", "quantize peak RSS", "engine support"], rows, left=3, last_left=True))
+
+
 def render_html(data: dict, run_dir: Path) -> str:
     m = data["manifest"]
     raw = json.dumps(data, default=str).replace("<", "\\u003c")  # no tag can open or close in it
@@ -519,7 +549,8 @@ def render_html(data: dict, run_dir: Path) -> str:
             f"<title>quantize-eval: {escape(m['recipe_name'])}</title><style>{CSS}</style></head><body>"
             f"<h1>quantize-eval report: {escape(m['recipe_name'])}</h1>"
             f"<div class='muted small'>{escape(str(run_dir))} · model {escape(m['model_dir'])}</div>"
-            + verdict_section(data) + gates_section(data) + quality_section(data) + heatmap_section(data) + chart_section(data)
+            + verdict_section(data) + schemes_section(data) + gates_section(data) + quality_section(data)
+            + heatmap_section(data) + chart_section(data)
             + systems_section(data) + matrix_section(data) + flips_section(data, run_dir) + provenance_section(data)
             + f"<script type='application/json' id='results'>{raw}</script></body></html>")
 

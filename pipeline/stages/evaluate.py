@@ -159,7 +159,7 @@ def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, wo
 
 
 def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_hash: str,
-                kv_bytes_per_elem: int) -> SystemsResult:
+                kv_bytes_per_elem: int, act_bytes: int) -> SystemsResult:
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
@@ -187,7 +187,7 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
         workload={**w.model_dump(), "prefix_cache": "enabled; primary cell: prompts distinct (cold); "
                   "'shared' matrix cells: same first half (warm after the first request)"},
         latency=Latency(**latency), cells=cells,
-        roofline=roofline(loaded_weight_bytes(model_dir, kv_bytes_per_elem), kv, w, latency["tpot_ms"]["p50"]))
+        roofline=roofline(loaded_weight_bytes(model_dir, act_bytes), kv, w, latency["tpot_ms"]["p50"]))
 
 
 def loaded_weight_bytes(model_dir: Path, engine_elem_bytes: int) -> int:
@@ -252,12 +252,14 @@ def measure_bandwidth_gbps(mib: int = 256, tries: int = 5) -> float:
 
 def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
              need_quality: str | None, need_systems: str | None, tasks_dir: Path,
-             log=print) -> tuple[QualityResult | None, SystemsResult | None]:
+             log=print, extra_args: list[str] | None = None) -> tuple[QualityResult | None, SystemsResult | None]:
     """Start one engine; run whichever of quality/systems are missing (their input hashes)."""
     quality = systems = None
-    kv_bytes = 4 if dtype == "float32" else 2
+    extra_args = list(extra_args or [])
+    act_bytes = 4 if dtype == "float32" else 2
+    kv_bytes = 1 if "fp8" in extra_args else act_bytes  # --kv-cache-dtype fp8
     with Server(model_dir, recipe.engine, dtype, vdir / "engine.log",
-                recipe.model.trust_remote_code) as server:
+                recipe.model.trust_remote_code, extra_args) as server:
         log(f"engine ready in {server.start_s:.0f} s (port {server.port})")
         if need_quality:
             quality = run_quality(server, model_dir, recipe, variant, vdir, need_quality, tasks_dir)
@@ -265,7 +267,7 @@ def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
             log("quality: " + ", ".join(f"{s} {r.accuracy:.3f} (n={r.n})"
                                         for s, r in quality.suites.items()))
         if need_systems:
-            systems = run_systems(server, model_dir, recipe, variant, need_systems, kv_bytes)
+            systems = run_systems(server, model_dir, recipe, variant, need_systems, kv_bytes, act_bytes)
         server.stop()
         if systems is not None:
             systems.peak_memory_bytes = server.memory.peak_tree_rss

@@ -1,0 +1,78 @@
+"""Ask the installed vLLM what it can run on this machine. Runs under the engine env.
+
+    <engine-env>/bin/python -m pipeline.engines.support_probe OUT.json
+
+Everything here is the engine's own word, read from the code that will serve the model:
+which quantization methods it knows, whether the ISA library it loaded carries each
+kernel, the `is_supported()` verdicts of its CPU GEMM kernels, and whether its CPU
+attention backend accepts an FP8 KV cache for a given head size. No model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _verdict(fn) -> list:
+    try:
+        ok, why = fn()
+        return [bool(ok), why or ""]
+    except Exception as exc:  # a probe that cannot run says so instead of guessing
+        return [False, f"{type(exc).__name__}: {exc}"]
+
+
+def probe() -> dict:
+    import torch
+    import vllm
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    from vllm.platforms import current_platform
+
+    caps: dict = {"vllm": vllm.__version__, "torch": torch.__version__,
+                  "methods": sorted(QUANTIZATION_METHODS)}
+    if current_platform.is_cuda():
+        caps["platform"] = "cuda"
+        major, minor = torch.cuda.get_device_capability()
+        caps["compute_capability"] = major * 10 + minor
+        try:
+            import bitsandbytes  # noqa: F401
+            caps["bitsandbytes"] = True
+        except ImportError:
+            caps["bitsandbytes"] = False
+        return caps
+    if not current_platform.is_cpu():
+        caps["platform"] = "other"
+        return caps
+    caps["platform"] = "cpu"
+    import vllm._custom_ops  # noqa: F401  (loads the ISA library: _C_AVX512 or _C_AVX2)
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu as k
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    caps["ops"] = {op: hasattr(torch.ops._C, op)
+                   for op in ("cpu_gemm_wna16", "create_onednn_mm_handler", "fp8_scaled_mm_cpu")}
+    caps["kernels"] = {
+        "int8_w8a8": _verdict(k.CPUInt8ScaledMMLinearKernel.is_supported),
+        "fp8_block": _verdict(k.CPUFp8BlockScaledMMKernel.is_supported),
+        "fp8_channel": _verdict(k.CPUFP8W8A8ScaledMMLinearKernel.is_supported),
+        "fp8_tensor": _verdict(k.CPUFp8PerTensorScaledMMLinearKernel.is_supported),
+    }
+    kv = {}
+    for head in range(16, 272, 16):
+        try:
+            _get_attn_isa(torch.float32, 128, head, "fp8")
+            kv[str(head)] = [True, ""]
+        except NotImplementedError as exc:
+            kv[str(head)] = [False, str(exc)]
+    caps["fp8_kv_by_head_size"] = kv
+    return caps
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m pipeline.engines.support_probe OUT.json")
+    result = probe()
+    tmp = sys.argv[1] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(tmp, sys.argv[1])
