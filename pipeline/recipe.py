@@ -144,7 +144,9 @@ class QualitySpec(Strict):
         ("piqa", "siqa"), min_length=1, description="Multiple-choice suites scored per item.")
     limit: int | None = Field(
         200, ge=1, description="Items per suite (first N in file order); null = all.")
-    num_concurrent: int = Field(8, ge=1, le=256, description="Parallel scoring requests.")
+    num_concurrent: int = Field(2, ge=1, le=256, description="Scoring requests in flight at once.")
+    batch_size: int = Field(8, ge=1, le=256, description="Prompts per scoring request (one HTTP call scores "
+                            "several continuations: 2 x 8 was 1.4x faster than 8 x 1 on PIQA here).")
     bootstrap_samples: int = Field(2000, ge=100, le=100000, description="Paired bootstrap resamples.")
     seed: int = Field(1234, description="Seed for bootstrap resampling.")
 

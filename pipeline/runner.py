@@ -192,6 +192,10 @@ def evaluate_inputs(recipe: Recipe, weights_hash: str, dtype: str, extra_args: l
     engine = recipe.engine.model_dump(exclude={"startup_timeout_s"})
     if extra_args:  # absent for plain variants, so earlier results keep their keys
         engine["variant_args"] = [a for a in extra_args if not a.startswith("/")]
+    from pipeline.engines.server import engine_placement
+
+    if engine_placement():
+        engine["placement"] = engine_placement()
     common = {"weights": weights_hash, "engine": engine, "dtype": dtype,
               "engine_env": envs.requirements_file("engine").read_text(),
               "hardware": provenance.hardware()}

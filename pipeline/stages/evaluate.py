@@ -56,7 +56,8 @@ def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Pat
     tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
     model_args = dict(model=SERVED_NAME, base_url=server.base_url + "/v1/completions",
                       tokenizer=str(model_dir), tokenizer_backend="huggingface",
-                      tokenized_requests=True, num_concurrent=q.num_concurrent, max_retries=2,
+                      tokenized_requests=True, num_concurrent=q.num_concurrent, batch_size=q.batch_size,
+                      max_retries=2,
                       max_length=recipe.engine.max_model_len, timeout=600)
     out = lm_eval.simple_evaluate(
         model="local-completions", model_args=model_args, tasks=[f"qe_{s}" for s in q.suites],
