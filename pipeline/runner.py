@@ -87,7 +87,8 @@ def quantize_key(recipe: Recipe, v, model_hash: str) -> str:
     })
 
 
-def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) -> QuantizeResult:
+def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path,
+             also_dense: bool = False) -> QuantizeResult:
     calib = assets.calibration_text(recipe.calibration.dataset)
     key = quantize_key(recipe, v, model_hash)
     done = read_result(vdir / "quantize.json", QuantizeResult, key)
@@ -113,6 +114,12 @@ def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) ->
                 "max_seq_len": recipe.calibration.max_seq_len, "seed": recipe.engine.seed,
                 "trust_remote_code": recipe.model.trust_remote_code,
                 "calibration_dtype": provenance.resolve_dtype(recipe.calibration.dtype)}
+        dense_final = dense_path(ckpt)
+        dense_tmp = dense_final.with_name(dense_final.name + f".tmp{os.getpid()}")
+        if also_dense:  # the engine will need dense weights: write them while the worker is up
+            _drop_stale_tmp(dense_final)
+            shutil.rmtree(dense_tmp, ignore_errors=True)
+            spec["dense_out"] = str(dense_tmp)
         (vdir / "quantize-spec.json").write_text(json.dumps(spec, indent=2))
         what = v.scheme + (f" g{v.group_size or 'channel'}" if v.scheme in W4_SCHEMES else "") + (
             f" + kv {v.kv_cache}" if v.kv_cache != "auto" else "") + (f" ({v.recipe})" if v.recipe else "")
@@ -134,6 +141,9 @@ def quantize(recipe: Recipe, v, model_dir: Path, model_hash: str, vdir: Path) ->
         write_json(tmp / "qe-checkpoint.json", facts)
         shutil.rmtree(ckpt, ignore_errors=True)
         os.replace(tmp, ckpt)
+        if (dense_tmp / "config.json").exists():
+            shutil.rmtree(dense_final, ignore_errors=True)
+            os.replace(dense_tmp, dense_final)
     cfg = json.loads((ckpt / "config.json").read_text()).get("quantization_config", {})
     size = weight_bytes(ckpt)
     result = QuantizeResult(
@@ -171,9 +181,14 @@ def _warnings(log: Path) -> list[str]:
 DEQUANTIZE_WORKER = ROOT / "pipeline" / "engines" / "dequantize_worker.py"
 
 
+def dense_path(checkpoint_dir: str | Path) -> Path:
+    return Path(str(checkpoint_dir) + "-dense-" + source_hash(DEQUANTIZE_WORKER)[:12])
+
+
 def dense_copy(qr: QuantizeResult, vdir: Path) -> Path:
-    """Dequantized weights of a checkpoint, for engines without the scheme's kernel (cached)."""
-    out = Path(qr.checkpoint_dir + "-dense-" + source_hash(DEQUANTIZE_WORKER)[:12])
+    """Dequantized weights of a checkpoint, for engines without the scheme's kernel (cached;
+    usually written by the quantize worker itself, saving a process start)."""
+    out = dense_path(qr.checkpoint_dir)
     if (out / "config.json").exists():
         return out
     _drop_stale_tmp(out)
@@ -311,7 +326,7 @@ def run_variant(recipe: Recipe, v, model_dir: Path, model_id: str, dtype: str, r
     if v.scheme == "import":
         qr = import_checkpoint(v, vdir, model_dir)
     elif v.quantized_offline:
-        qr = quantize(recipe, v, model_dir, model_id, vdir)
+        qr = quantize(recipe, v, model_dir, model_id, vdir, also_dense=bool(decision and decision.mode == "emulated"))
     if v.scheme == "custom":
         cfg = json.loads((Path(qr.checkpoint_dir) / "config.json").read_text())
         decision = judge(support.checkpoint_format(cfg))

@@ -8,7 +8,8 @@ the only one that imports llmcompressor, and it runs as its own process:
 SPEC names the model directory, output directory, scheme, calibration JSONL and sizes;
 RESULT gets wall time, peak RSS, the llm-compressor recipe used and library versions.
 The checkpoint keeps the recipe (llm-compressor writes recipe.yaml beside the weights).
-It imports nothing from this package but the standard library, on purpose.
+It imports nothing from this package but the dequantize worker (for engines that need a
+dense copy, written while this process is up), on purpose.
 """
 
 from __future__ import annotations
@@ -169,6 +170,10 @@ def main(spec_path: str, result_path: str) -> None:
         restore_dtype(out, model_dtype)
     if not (out / "recipe.yaml").exists():  # the checkpoint must say how it was made
         (out / "recipe.yaml").write_text(recipe_text)
+    if spec.get("dense_out"):  # the engine lacks this scheme's kernel: dense copy, same process
+        from pipeline.engines.dequantize_worker import dequantize
+
+        dequantize(out, Path(spec["dense_out"]))
     finish(result_path, t0, recipe_text, len(ds), int(sum(len(x) for x in ds["input_ids"])),
            {"llmcompressor": llmcompressor.__version__, "compressed-tensors": compressed_tensors.__version__,
             "transformers": transformers.__version__, "torch": torch.__version__})
