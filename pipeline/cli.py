@@ -29,13 +29,19 @@ def fail(msg: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in ("run", "validate", "report", "compare", "make-legacy", "-h", "--help"):
+    if argv and argv[0] not in ("run", "validate", "report", "compare", "make-legacy", "_stage", "-h", "--help"):
         argv.insert(0, "run")
     parser = argparse.ArgumentParser(prog="quantize-eval", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_run = sub.add_parser("run", help="run a recipe end to end")
     p_run.add_argument("recipe")
     p_run.add_argument("--fresh", action="store_true", help="start a new run folder, no resume")
+    p_run.add_argument("--ray", metavar="ADDRESS", help="run variants as Ray tasks: 'local' (a private Ray "
+                       "instance here), 'auto' (the cluster this machine is in) or a cluster address; "
+                       "overrides the recipe's executor section")
+    p_stage = sub.add_parser("_stage")  # internal: one stage of one variant, run by a Ray task
+    for a in ("stage", "recipe", "run_dir", "variant"):
+        p_stage.add_argument(a)
     p_val = sub.add_parser("validate", help="check a recipe without running anything")
     p_val.add_argument("recipe")
     p_val.add_argument("--support", action="store_true",
@@ -94,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load(args.recipe)
     except RecipeError as exc:
         return fail(str(exc))
+    if getattr(args, "ray", None):
+        ex = recipe.executor.model_copy(update={"kind": "ray", "address": None if args.ray == "local" else args.ray})
+        recipe = recipe.model_copy(update={"executor": ex})
+    if args.cmd == "_stage":
+        from pipeline import runner
+
+        return runner.stage_main(recipe, Path(args.recipe), Path(args.run_dir), args.variant, args.stage)
     if args.cmd == "validate":
         print(f"{args.recipe}: ok ({len(recipe.variants)} variant(s) + baseline, "
               f"{len(recipe.gates)} gate(s))")

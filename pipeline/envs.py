@@ -122,6 +122,26 @@ def ensure(kind: str) -> Path:
     return target / "bin" / "python"
 
 
+def ensure_extra(name: str) -> None:
+    """Install an optional extra (requirements/extra-NAME.txt) into the running engine environment,
+    once; the environment's key does not change, so the default install never pays for it."""
+    req = REQUIREMENTS / f"extra-{name}.txt"
+    marker = Path(sys.prefix) / f".qe-extra-{name}"
+    if marker.exists() and marker.read_text() == req.read_text():
+        return
+    with open(Path(sys.prefix) / f".qe-extra-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists() and marker.read_text() == req.read_text():
+            return
+        print(f"[setup] installing the optional {name} extra into {sys.prefix} (first use)", file=sys.stderr,
+              flush=True)
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", str(req)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"[setup] the {name} extra failed to install: {proc.stderr.strip()[-500:]}")
+        marker.write_text(req.read_text())
+
+
 def run_module(kind: str, module: str, args: list[str], log: Path, timeout: float, what: str,
                hint: str = "") -> None:
     """Run `python -m module args` in this repo under the `kind` environment, output to `log`.

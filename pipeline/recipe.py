@@ -65,6 +65,8 @@ class EngineSpec(Strict):
     enforce_eager: bool = Field(
         True, description="Skip graph compilation: ~30 s engine start instead of +35-60 s.")
     seed: int = Field(0, description="Engine seed.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one engine spans (--tensor-parallel-size); "
+                                      "with the ray executor, the GPUs each variant's evaluation requests.")
     startup_timeout_s: float = Field(600, gt=0, description="Give up on an engine start after this.")
 
 
@@ -214,6 +216,27 @@ class GateSpec(Strict):
         return self
 
 
+class ExecutorSpec(Strict):
+    """Where the stages run. local: one after another in this process (default; Ray not needed).
+    ray: each variant's quantize and evaluate stages become Ray tasks, variants in parallel."""
+
+    kind: Literal["local", "ray"] = Field("local", description="local or ray.")
+    address: str | None = Field(
+        None, description="ray: null starts a private Ray instance on this machine; 'auto' joins the cluster "
+        "this machine belongs to; or a cluster address (host:port or ray://host:port).")
+    cpus_per_variant: float = Field(1, gt=0, description="ray: CPUs each evaluate task requests.")
+    gpus_per_variant: float | None = Field(
+        None, ge=0, description="ray: GPUs each evaluate task requests; null = engine.tensor_parallel_size on GPU "
+        "machines, 0 on CPU-only ones.")
+    quantize_cpus: float = Field(1, gt=0, description="ray: CPUs each quantize task requests.")
+    quantize_gpus: float = Field(0, ge=0, description="ray: GPUs each quantize task requests (llm-compressor "
+                                 "calibrates on one GPU when it has one).")
+    max_retries: int = Field(2, ge=0, le=10, description="ray: a task whose worker or node is lost is retried "
+                             "this often; finished stages are never recomputed.")
+    baseline_first: bool = Field(True, description="ray: evaluate the baseline before the variants (false: "
+                                 "alongside them).")
+
+
 class Recipe(Strict):
     schema_version: Literal[1] = Field(description="Recipe schema version.")
     name: str = Field(pattern=NAME, description="Names the run folder.")
@@ -228,6 +251,7 @@ class Recipe(Strict):
                        "best_quality"] = Field(
         "smallest_checkpoint", description="How the recommended variant is chosen among those that pass.")
     runs_dir: str = Field("runs", description="Where run folders go (relative to the recipe's cwd).")
+    executor: ExecutorSpec = ExecutorSpec()
 
     @model_validator(mode="after")
     def _cross(self) -> Recipe:

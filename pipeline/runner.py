@@ -205,6 +205,8 @@ def dense_copy(qr: QuantizeResult, vdir: Path) -> Path:
 
 def evaluate_inputs(recipe: Recipe, weights_hash: str, dtype: str, extra_args: list[str]) -> tuple[str, str]:
     engine = recipe.engine.model_dump(exclude={"startup_timeout_s"})
+    if engine["tensor_parallel_size"] == 1:  # absent for one device, so earlier results keep their keys
+        del engine["tensor_parallel_size"]
     if extra_args:  # absent for plain variants, so earlier results keep their keys
         engine["variant_args"] = [a for a in extra_args if not a.startswith("/")]
     from pipeline.engines.server import engine_placement
@@ -305,7 +307,7 @@ def variant_format(v) -> support.Format | None:
 
 
 def run_variant(recipe: Recipe, v, model_dir: Path, model_id: str, dtype: str, run_dir: RunDir,
-                vdir: Path) -> dict:
+                vdir: Path, stop_after: str | None = None) -> dict:
     """Support decision -> weights (quantized, imported, or the base for load-time schemes) ->
     evaluation; a variant this engine cannot run ends SKIPPED before anything is spent on it."""
     model_cfg = json.loads((model_dir / "config.json").read_text())
@@ -327,6 +329,8 @@ def run_variant(recipe: Recipe, v, model_dir: Path, model_id: str, dtype: str, r
         qr = import_checkpoint(v, vdir, model_dir)
     elif v.quantized_offline:
         qr = quantize(recipe, v, model_dir, model_id, vdir, also_dense=bool(decision and decision.mode == "emulated"))
+    if stop_after == "quantize":  # the ray executor runs evaluation as its own task
+        return {"quantize": qr} if qr else {}
     if v.scheme == "custom":
         cfg = json.loads((Path(qr.checkpoint_dir) / "config.json").read_text())
         decision = judge(support.checkpoint_format(cfg))
@@ -358,6 +362,66 @@ def support_table(recipe: Recipe) -> list[tuple[str, support.Decision]]:
         rows.append((v.name, support.decide(fmt, model_cfg) if fmt else support.Decision(
             "unknown", support.platform_name(), "decided after your recipe writes its checkpoint")))
     return rows
+
+
+class RunContext:
+    """What every stage of one run needs, rebuilt the same way in a Ray worker's process."""
+
+    def __init__(self, recipe: Recipe, model_dir: Path, model_id: str, dtype: str, run_dir: RunDir):
+        self.recipe, self.model_dir, self.model_id = recipe, model_dir, model_id
+        self.dtype, self.run_dir = dtype, run_dir
+
+
+def run_stage(ctx: RunContext, name: str, stop_after: str | None = None) -> dict:
+    """One variant's work (or the baseline's), failures isolated into its error.json."""
+    vdir = ctx.run_dir.variant(name)
+    vdir.mkdir(parents=True, exist_ok=True)
+    try:
+        if name == "baseline":
+            result = evaluate_variant(ctx.recipe, name, ctx.model_dir, ctx.model_id, ctx.dtype, ctx.run_dir)
+        else:
+            v = next(x for x in ctx.recipe.variants if x.name == name)
+            result = run_variant(ctx.recipe, v, ctx.model_dir, ctx.model_id, ctx.dtype, ctx.run_dir, vdir,
+                                 stop_after=stop_after)
+        (vdir / "error.json").unlink(missing_ok=True)
+        return result
+    except Exception as exc:  # isolate: one broken variant must not sink the others
+        msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        say(name, f"FAILED-TO-RUN: {msg}")
+        write_json(vdir / "error.json", {"error": msg, "traceback": traceback.format_exc()})
+        return {"error": msg}
+
+
+def stage_main(recipe: Recipe, recipe_path: Path, run_root: Path, name: str, stage: str) -> int:
+    """`quantize-eval _stage`: what one Ray task runs on its worker (same code as the local loop)."""
+    from pipeline.engines.server import BUSY
+
+    t_start = time.time()
+    prepare_environment()
+    model_dir = resolve_model(recipe)
+    ctx = RunContext(recipe, model_dir, hash_obj(provenance.model_hashes(model_dir)),
+                     provenance.resolve_dtype(recipe.engine.dtype), RunDir(run_root))
+    say(name, f"{stage}: on {os.uname().nodename} (pid {os.getpid()})")
+    run_stage(ctx, name, stop_after="quantize" if stage == "quantize" else None)
+    line = {"t0": t_start, "t": time.time(), "variant": name, "stage": stage, "engine_starts": len(ENGINE_STARTS),
+            "engine_s": BUSY["engine"], "quantizer_s": QUANTIZER_BUSY[0]}
+    with open(run_root / "stage-accounting.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+    return 0
+
+
+def stage_accounting(run_root: Path, since: float) -> dict:
+    """Engine starts and busy seconds the Ray stage processes of this invocation reported."""
+    total = {"engine_starts": 0, "engine_s": 0.0, "quantizer_s": 0.0}
+    try:
+        lines = (run_root / "stage-accounting.jsonl").read_text().splitlines()
+    except OSError:
+        return total
+    for rec in map(json.loads, filter(None, lines)):
+        if rec["t"] >= since:
+            for k in total:
+                total[k] += rec[k]
+    return total
 
 
 class PreflightError(Exception):
@@ -416,7 +480,7 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
     from pipeline.engines.server import BUSY
 
     BUSY["engine"] = 0.0
-    t_run = time.perf_counter()
+    t_run, t_epoch = time.perf_counter(), time.time()
     recipe_hash = hash_obj(recipe.model_dump(mode="json"))
     try:
         model_dir = resolve_model(recipe)
@@ -442,29 +506,27 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
 
     results: dict[str, dict] = {}
     timings: dict[str, float] = {}
-    for name in ["baseline", *(v.name for v in recipe.variants)]:
-        t0 = time.perf_counter()
-        vdir = run_dir.variant(name)
-        vdir.mkdir(parents=True, exist_ok=True)
-        try:
-            if name == "baseline":
-                results[name] = evaluate_variant(recipe, name, model_dir, model_id, dtype, run_dir)
-            elif results["baseline"].get("error"):
+    ctx = RunContext(recipe, model_dir, model_id, dtype, run_dir)
+    if recipe.executor.kind == "ray":
+        from pipeline import ray_executor
+
+        results, timings = ray_executor.run_all(ctx, recipe_path)
+    else:
+        for name in ["baseline", *(v.name for v in recipe.variants)]:
+            t0 = time.perf_counter()
+            if name != "baseline" and results["baseline"].get("error"):
                 msg = "not evaluated: the baseline failed, so there is nothing to compare against"
                 say(name, msg)
                 results[name] = {"error": msg}
                 continue
-            else:
-                v = next(x for x in recipe.variants if x.name == name)
-                results[name] = run_variant(recipe, v, model_dir, model_id, dtype, run_dir, vdir)
-            (vdir / "error.json").unlink(missing_ok=True)
-        except Exception as exc:  # isolate: one broken variant must not sink the others
-            msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
-            say(name, f"FAILED-TO-RUN: {msg}")
-            write_json(vdir / "error.json", {"error": msg, "traceback": traceback.format_exc()})
-            results[name] = {"error": msg}
-        timings[name] = time.perf_counter() - t0
+            results[name] = run_stage(ctx, name)
+            timings[name] = time.perf_counter() - t0
 
+    if recipe.executor.kind == "ray":  # the stage processes did the work: take their accounting
+        acc = stage_accounting(run_dir.root, t_epoch)
+        ENGINE_STARTS.extend(["(ray)"] * acc["engine_starts"])
+        BUSY["engine"] += acc["engine_s"]
+        QUANTIZER_BUSY[0] += acc["quantizer_s"]
     so = signoff(recipe, recipe_hash, run_dir.root, results)
     write_json(run_dir.root / "signoff.json", so)
     manifest["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -49,6 +49,8 @@ def engine_args(engine, dtype: str) -> list[str]:
             "--kv-cache-memory-bytes", str(int(engine.kv_cache_gib * 2**30))]
     if engine.enforce_eager:
         args.append("--enforce-eager")
+    if engine.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
     if envs.has_nvidia_gpu():
         args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
     return args

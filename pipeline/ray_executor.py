@@ -1,0 +1,161 @@
+"""Run a recipe's stages as Ray tasks: variants in parallel, across a cluster's GPUs/nodes.
+
+Each variant becomes two chained tasks, quantize then evaluate, with resource requests
+from the recipe's `executor` section (evaluate: engine.tensor_parallel_size GPUs by default;
+quantize: its own). A task runs `python -m pipeline.cli _stage STAGE RECIPE RUN_DIR VARIANT`
+on its worker: the same code and stage functions as the local executor, writing the same
+result files into the same run folder, so the resume rules hold across workers: a task
+retried after its worker or node was lost finds the stages that finished and does not
+redo them. The driver then reads every variant's results from the run folder and signs
+off exactly as the local executor does.
+
+The run folder and the cache (QUANTIZE_EVAL_HOME) must be one shared filesystem, mounted
+at the same paths on every node, with the repo and its engine/quantize environments at
+the same paths too (README: "Scaling out on Ray").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from pipeline import envs
+from pipeline.results import QualityResult, QuantizeResult, SystemsResult
+from pipeline.runstore import read_result
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class StageCrashed(RuntimeError):
+    """The stage process died (killed, out of memory): retried by Ray, unlike a stage error,
+    which the stage itself records in error.json."""
+
+
+def ensure_ray():
+    try:
+        import ray
+    except ImportError:
+        envs.ensure_extra("ray")
+        import ray
+    return ray
+
+
+def _die_with_parent() -> None:  # Linux: the stage process must not outlive its Ray worker
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def stage_task(cwd: str, recipe_path: str, run_root: str, name: str, stage: str, after=None) -> dict:
+    """Body of a Ray task (runs on a worker): one stage of one variant in its own process, under
+    this node's engine environment (engine-cuda on a GPU node, engine-cpu elsewhere)."""
+    python = str(envs.ensure("engine"))
+    vdir = Path(run_root) / name
+    vdir.mkdir(parents=True, exist_ok=True)
+    host = socket.gethostname()
+    (vdir / f".ray-{stage}.pid").write_text(f"{os.getpid()} {host}")  # who runs it (ops, tests)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([python, "-m", "pipeline.cli", "_stage", stage, recipe_path, run_root, name],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_die_with_parent)
+    for line in proc.stdout:  # Ray forwards it to the driver, prefixed with worker pid and node ip
+        print(line, end="", flush=True)
+    rc = proc.wait()
+    if rc != 0:
+        raise StageCrashed(f"{name} {stage}: stage process exited {rc} on {host}")
+    return {"host": host, "pid": os.getpid(), "stage": stage, "name": name}
+
+
+def results_from_disk(run_dir, name: str) -> dict:
+    """A variant's results as its stage processes left them in the run folder."""
+    vdir = run_dir.variant(name)
+    try:
+        err = json.loads((vdir / "error.json").read_text())["error"]
+    except (OSError, ValueError, KeyError):
+        err = None
+    if err:
+        return {"error": err}
+    out: dict = {}
+    qz = read_result(vdir / "quantize.json", QuantizeResult)
+    if qz:
+        out["quantize"] = qz
+    try:
+        sup = json.loads((vdir / "support.json").read_text())
+    except (OSError, ValueError):
+        sup = {}
+    if sup.get("mode") == "unsupported":
+        return {**out, "skipped": sup.get("reason", "unsupported")}
+    out["quality"] = read_result(vdir / "quality.json", QualityResult)
+    out["systems"] = read_result(vdir / "systems.json", SystemsResult)
+    return out
+
+
+def run_all(ctx, recipe_path: Path) -> tuple[dict, dict]:
+    from pipeline.runner import say
+
+    ray = ensure_ray()
+    ex, recipe = ctx.recipe.executor, ctx.recipe
+    started_here = not ray.is_initialized()
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # two variants' identical lines are both news
+    if started_here:
+        if ex.address is None:  # a private Ray instance on this machine, bound to loopback
+            ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True,
+                     _node_ip_address="127.0.0.1", configure_logging=False)
+        else:
+            ray.init(address=ex.address, log_to_driver=True, configure_logging=False)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    say("run", f"ray: {len(nodes)} node(s), resources {ray.cluster_resources()}")
+    gpus = ex.gpus_per_variant if ex.gpus_per_variant is not None else (
+        recipe.engine.tensor_parallel_size if envs.has_nvidia_gpu() else 0)
+    task = ray.remote(stage_task).options(max_retries=ex.max_retries, retry_exceptions=[StageCrashed])
+    evaluate = task.options(num_cpus=ex.cpus_per_variant, num_gpus=gpus)
+    quantize = task.options(num_cpus=ex.quantize_cpus, num_gpus=ex.quantize_gpus)
+    common = (os.getcwd(), str(Path(recipe_path).resolve()), str(ctx.run_dir.root.resolve()))
+    t0 = time.perf_counter()
+    pending: dict = {}
+    base = evaluate.remote(*common, "baseline", "evaluate")
+    pending[base] = ("baseline", "evaluate")
+    say("baseline", f"ray: evaluate submitted ({ex.cpus_per_variant} CPU, {gpus} GPU)")
+    timings: dict[str, float] = {}
+    failed: dict[str, str] = {}
+
+    def drain(until_done: set | None = None) -> None:
+        while pending and (until_done is None or until_done & set(pending)):
+            done, _ = ray.wait(list(pending), num_returns=1)
+            ref = done[0]
+            name, stage = pending.pop(ref)
+            try:
+                info = ray.get(ref)
+                say(name, f"ray: {stage} finished on {info['host']} (worker pid {info['pid']})")
+            except Exception as exc:  # retries exhausted, or the evaluate task's quantize dependency failed
+                failed[name] = f"ray: {stage} task failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                say(name, failed[name])
+            if stage == "evaluate":
+                timings[name] = time.perf_counter() - t0
+
+    if ex.baseline_first:
+        drain({base})
+    variants_ok = not (ex.baseline_first and (failed.get("baseline") or
+                                              results_from_disk(ctx.run_dir, "baseline").get("error")))
+    for v in recipe.variants if variants_ok else []:
+        q = quantize.remote(*common, v.name, "quantize")
+        e = evaluate.remote(*common, v.name, "evaluate", q)  # runs once its quantize task is done
+        pending[q], pending[e] = (v.name, "quantize"), (v.name, "evaluate")
+        say(v.name, "ray: quantize and evaluate submitted")
+    drain()
+    results = {}
+    for name in ["baseline", *(v.name for v in recipe.variants)]:
+        if name != "baseline" and not variants_ok:
+            results[name] = {"error": "not evaluated: the baseline failed, so there is nothing to compare against"}
+        elif name in failed:
+            results[name] = {"error": failed[name]}
+        else:
+            results[name] = results_from_disk(ctx.run_dir, name)
+    if started_here:
+        ray.shutdown()
+    return results, timings
