@@ -195,3 +195,27 @@ def test_no_secret_reaches_the_run_folder(run):
     for p in run["dir"].rglob("*"):
         if p.is_file():
             assert SECRET.encode() not in p.read_bytes(), p
+
+
+def test_adding_a_variant_costs_only_that_variant(run):
+    recipe = yaml.safe_load((run["tmp"] / "tiny.yaml").read_text())
+    # the added variant is a user's own llm-compressor recipe, dropped in unchanged
+    (run["tmp"] / "my-recipe.yaml").write_text(
+        "quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n      ignore: [lm_head]\n"
+        "      targets: [Linear]\n      scheme: W4A16\n")
+    recipe["variants"].append({"name": "mine", "scheme": "custom", "recipe": str(run["tmp"] / "my-recipe.yaml")})
+    (run["tmp"] / "tiny.yaml").write_text(yaml.safe_dump(recipe))
+    again = subprocess.run(run["cmd"], capture_output=True, text=True, cwd=run["tmp"], env=run["env"],
+                           timeout=900)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert f"resuming: {run['dir']}" in again.stdout
+    starts = [line for line in again.stdout.splitlines() if "starting engine" in line]
+    assert len(starts) == 1 and "mine |" in starts[0]
+    assert again.stdout.count("evaluate: done earlier") == 4  # baseline, awq, w8a8, imported
+    assert "1 engine start(s)" in again.stdout
+    assert [v["variant"] for v in load(run, "signoff.json")["variants"]] == ["awq", "w8a8", "imported", "kvfp8",
+                                                                            "mine"]
+    qz = load(run, "mine", "quantize.json")
+    assert qz["scheme"] == "custom" and "scheme: W4A16" in qz["llmcompressor_recipe"]
+    assert load(run, "mine", "support.json")["read_from"].startswith("compressed-tensors wna16")
+    assert load(run, "mine", "quality.json")["status"] == "ok"
