@@ -34,12 +34,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if os.environ.get("QE_IN_ENGINE_ENV") != "1":  # re-run under the engine environment
-    py = subprocess.run([sys.executable, str(ROOT / "pipeline" / "envs.py"), "engine"], capture_output=True,
-                        text=True, check=True).stdout.strip()
-    env = {**os.environ, "QE_IN_ENGINE_ENV": "1", "PYTHONPATH": str(ROOT)}
-    sys.exit(subprocess.run([py, __file__, *sys.argv[1:]], env=env).returncode)
 sys.path.insert(0, str(ROOT))
+from benchmarks.engine_env import reexec_under_engine_env  # noqa: E402
+
+reexec_under_engine_env(__file__)
 
 from pipeline import assets, envs, provenance  # noqa: E402
 from pipeline.engines.quantize_worker import build_recipe  # noqa: E402
