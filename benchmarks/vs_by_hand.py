@@ -96,8 +96,15 @@ if __name__ == "__main__":
 
 def timed(label: str, cmd: list[str], log: Path, env: dict | None = None, timeout: float = 3600) -> float:
     t0 = time.perf_counter()
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+    with open(log, "w") as f:  # its own session: vLLM's engine processes must not outlive the step
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     secs = time.perf_counter() - t0
     print(f"  by hand | {label:<34} {secs:7.1f} s  (exit {rc}; log {log})", flush=True)
     if rc != 0:

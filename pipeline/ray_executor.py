@@ -96,25 +96,35 @@ def results_from_disk(run_dir, name: str) -> dict:
 
 
 def run_all(ctx, recipe_path: Path) -> tuple[dict, dict]:
-    from pipeline.runner import say
-
     ray = ensure_ray()
-    ex, recipe = ctx.recipe.executor, ctx.recipe
+    ex = ctx.recipe.executor
     started_here = not ray.is_initialized()
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # two variants' identical lines are both news
     if started_here:
-        if ex.address is None:  # a private Ray instance on this machine, bound to loopback
+        if ex.address is None:  # a private Ray instance on this machine, for this run only
             ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True,
-                     _node_ip_address="127.0.0.1", configure_logging=False)
+                     configure_logging=False)
         else:
             ray.init(address=ex.address, log_to_driver=True, configure_logging=False)
+    try:
+        return _schedule(ray, ctx, recipe_path)
+    finally:  # a private instance goes with this run, also when the run fails
+        if started_here:
+            ray.shutdown()
+
+
+def _schedule(ray, ctx, recipe_path: Path) -> tuple[dict, dict]:
+    from pipeline.runner import say
+
+    ex, recipe = ctx.recipe.executor, ctx.recipe
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     say("run", f"ray: {len(nodes)} node(s), resources {ray.cluster_resources()}")
     gpus = ex.gpus_per_variant if ex.gpus_per_variant is not None else (
         recipe.engine.tensor_parallel_size if envs.has_nvidia_gpu() else 0)
-    task = ray.remote(stage_task).options(max_retries=ex.max_retries, retry_exceptions=[StageCrashed])
-    evaluate = task.options(num_cpus=ex.cpus_per_variant, num_gpus=gpus)
-    quantize = task.options(num_cpus=ex.quantize_cpus, num_gpus=ex.quantize_gpus)
+    task = ray.remote(stage_task)
+    retry = {"max_retries": ex.max_retries, "retry_exceptions": [StageCrashed]}
+    evaluate = task.options(num_cpus=ex.cpus_per_variant, num_gpus=gpus, **retry)
+    quantize = task.options(num_cpus=ex.quantize_cpus, num_gpus=ex.quantize_gpus, **retry)
     common = (os.getcwd(), str(Path(recipe_path).resolve()), str(ctx.run_dir.root.resolve()))
     t0 = time.perf_counter()
     pending: dict = {}
@@ -156,6 +166,4 @@ def run_all(ctx, recipe_path: Path) -> tuple[dict, dict]:
             results[name] = {"error": failed[name]}
         else:
             results[name] = results_from_disk(ctx.run_dir, name)
-    if started_here:
-        ray.shutdown()
     return results, timings
