@@ -49,7 +49,8 @@ def run_dir(tmp: Path, name: str) -> Path:
 def runs(tmp_path_factory):
     envs.ensure_extra("ray")
     tmp = tmp_path_factory.mktemp("ray")
-    model = tinymodel.build(tmp / "tiny", seed=11)
+    # a model no earlier run has seen: every cache is cold, so each stage really runs (and can be killed)
+    model = tinymodel.build(tmp / "tiny", seed=int.from_bytes(os.urandom(2), "little"))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_DEDUP_LOGS": "0"}
     # different engine seeds: neither run can take the other's results from the result cache
     local_recipe, ray_recipe = recipe(tmp, model, "local", 101), recipe(tmp, model, "onray", 202)
