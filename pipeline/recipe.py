@@ -342,7 +342,8 @@ def check_checkpoint_dir(ckpt: Path, recipe_path: Path, field: str) -> None:
     import json
 
     if not (ckpt / "config.json").is_file():
-        raise RecipeError(f"{recipe_path}: {field}: {ckpt} has no config.json")
+        raise RecipeError(f"{recipe_path}: {field}: {ckpt} has no config.json (not a checkpoint directory; "
+                          "`quantize-eval make-legacy` writes example GPTQ/AWQ-format ones)")
     try:
         qc = json.loads((ckpt / "config.json").read_text()).get("quantization_config") or {}
     except (OSError, ValueError) as exc:
