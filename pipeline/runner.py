@@ -211,8 +211,9 @@ def evaluate_inputs(recipe: Recipe, weights_hash: str, dtype: str, extra_args: l
         engine["variant_args"] = [a for a in extra_args if not a.startswith("/")]
     from pipeline.engines.server import engine_placement
 
-    if engine_placement():
-        engine["placement"] = engine_placement()
+    placement = engine_placement()
+    if placement:
+        engine["placement"] = placement
     common = {"weights": weights_hash, "engine": engine, "dtype": dtype,
               "engine_env": envs.requirements_file("engine").read_text(),
               "hardware": provenance.hardware()}
