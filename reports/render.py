@@ -134,9 +134,13 @@ def quality_section(data: dict) -> str:
             flips = f"{p['flips_correct_to_wrong']} / {p['flips_wrong_to_correct']}" if p else "–"
             pv = f"{fmt(p['mcnemar_p'], 3)} ({fmt(p['mcnemar_p_holm'], 3)})" if p else "–"
             near = "<b>near chance</b>" if s["near_chance"] else ""
+            cats = s.get("categories") or {}
+            failures = " · ".join(f"{k} {v}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1])
+                                  if k != "correct") if s.get("kind", "mc") != "mc" else "wrong " + str(
+                                      cats.get("wrong", s["n"] - s["correct"]))
             rows.append([escape(name), escape(suite), str(s["n"]),
                          f"{fmt(s['accuracy'], pct=True)} [{fmt(s['ci_low'], pct=True)}, {fmt(s['ci_high'], pct=True)}]",
-                         fmt(s["chance"], pct=True), delta, flips, pv, near])
+                         fmt(s["chance"], pct=True), delta, flips, pv, escape(failures), near])
         p = paired.get(name, {}).get("overall")
         if p:
             k = round(p["var_acc"] * p["n"])
@@ -145,14 +149,44 @@ def quality_section(data: dict) -> str:
                          f"{fmt(p['var_acc'], pct=True)} [{fmt(lo, pct=True)}, {fmt(hi, pct=True)}]", "",
                          f"{p['delta'] * 100:+.1f} pt [{p['delta_ci_low'] * 100:+.1f}, {p['delta_ci_high'] * 100:+.1f}]",
                          f"{p['flips_correct_to_wrong']} / {p['flips_wrong_to_correct']}",
-                         f"{fmt(p['mcnemar_p'], 3)} (unadjusted)", ""])
-    return ("<h2>Quality, paired against the baseline</h2><p class='small muted'>Accuracy is lm-eval "
-            "acc_norm per item, 95% Wilson CI. Delta is variant − baseline on the same items; its 95% CI is "
+                         f"{fmt(p['mcnemar_p'], 3)} (unadjusted)", "", ""])
+    return ("<h2>Quality, paired against the baseline</h2><p class='small muted'>Per item: multiple choice "
+            "is lm-eval acc_norm (length-normalised loglikelihood); generation is scored by "
+            "evalsuites/qe_utils.py (number, tool call, needle word) and every miss gets one failure category "
+            "(wrong, malformed, truncated, refusal, empty; truncation is judged from the re-tokenized output, "
+            "so it is approximate). Accuracy with 95% Wilson CI; chance is 1/choices (0 for generation). Delta is variant − baseline on the same items; its 95% CI is "
             "the union of a paired bootstrap and the Agresti–Min interval (the bootstrap alone collapses "
             "to a point when few items flip). Flips: correct→wrong / wrong→correct. McNemar: exact two-sided p "
-            "(Holm-adjusted across suites).</p>"
+            "(Holm-adjusted across every suite and slice of the variant).</p>"
             + table(["variant", "suite", "n", "accuracy [95% CI]", "chance", "Δ vs baseline [95% CI]",
-                     "flips c→w / w→c", "McNemar p (Holm)", ""], rows, left=2))
+                     "flips c→w / w→c", "McNemar p (Holm)", "failures", ""], rows, left=2))
+
+
+def drift_section(data: dict) -> str:
+    so = data["signoff"] or {"variants": []}
+    base = (data["variants"].get("baseline", {}).get("quality") or {}).get("drift")
+    rows = []
+    for v in so["variants"]:
+        d = v.get("drift")
+        if not d:
+            continue
+        rows.append([escape(v["variant"]), str(d["tokens"]),
+                     f"{d['ppl_base']:.2f} → {d['ppl_var']:.2f}",
+                     f"{d['ppl_ratio']:.4f} [{d['ppl_ratio_ci_low']:.4f}, {d['ppl_ratio_ci_high']:.4f}]",
+                     f"{d['kl_mean']:.5f} [{d['kl_ci_low']:.5f}, {d['kl_ci_high']:.5f}]", f"{d['kl_p99']:.4f}",
+                     f"{d['top1_agreement'] * 100:.2f}% [{d['top1_ci_low'] * 100:.2f}, {d['top1_ci_high'] * 100:.2f}]"])
+    if not rows:
+        return ""
+    corpus = escape(base["corpus"]) if base else ""
+    k = so["variants"][0].get("drift", {}) or {}
+    return ("<h2>Token-level drift against the baseline</h2><p class='small muted'>Corpus: " + corpus + ". "
+            "From the engine's own logprobs (echo, top-" + str(k.get("top_k", "k")) + " per position). KL(baseline ‖ "
+            "variant) in nats per token over a partition: the tokens both engines list at a position, plus one "
+            "bucket for the rest. <b>This is a lower bound of the full-vocabulary KL</b> (merging outcomes never "
+            "raises KL), exact when k covers the vocabulary. Top-1: positions where both engines' most likely "
+            "next token agree. 95% CIs resample whole windows.</p>"
+            + table(["variant", "tokens", "perplexity base → variant", "PPL ratio [95% CI]",
+                     "mean KL nats/token [95% CI]", "KL p99", "top-1 agreement [95% CI]"], rows, left=1))
 
 
 def systems_section(data: dict) -> str:
@@ -371,22 +405,27 @@ def chart_section(data: dict) -> str:
 
 
 def heatmap_section(data: dict) -> str:
-    """Slice x variant: delta in points, coloured by size, bold where it is significant
+    """Slice (rows) x variant (columns): delta in points, coloured by size, bold where significant
     (95% CI excludes 0 or Holm-adjusted McNemar p < 0.05); flips in brackets."""
     so = data["signoff"] or {"variants": []}
     slices: list[str] = []
+    info: dict[str, dict] = {}
     for v in so["variants"]:
         for p in v["paired"]:
             if p["slice"] not in slices:
                 slices.append(p["slice"])
+                info[p["slice"]] = p
     if not slices:
         return ""
+    by = {v["variant"]: {p["slice"]: p for p in v["paired"]} for v in so["variants"]}
     rows = []
-    for v in so["variants"]:
-        by = {p["slice"]: p for p in v["paired"]}
-        cells = [escape(v["variant"])]
-        for sl in slices:
-            p = by.get(sl)
+    for sl in slices:
+        ref = info[sl]
+        label = escape(sl) if "/" not in sl else "&nbsp;&nbsp;" + escape(sl.split("/", 1)[1])
+        cells = [f"<b>{label}</b>" if "/" not in sl else label, str(ref["n"]),
+                 fmt(ref["base_acc"], pct=True) + (" <b>near chance</b>" if ref["near_chance"] else "")]
+        for v in so["variants"]:
+            p = by[v["variant"]].get(sl)
             if not p:
                 cells.append("–")
                 continue
@@ -399,9 +438,12 @@ def heatmap_section(data: dict) -> str:
                          f"{'<b>' + txt + '</b>' if sig else txt}</span> "
                          f"<span class='small muted'>({p['flips_correct_to_wrong']}↓/{p['flips_wrong_to_correct']}↑)</span>")
         rows.append(cells)
-    return ("<h2>Deltas by slice</h2><p class='small muted'>Variant − baseline accuracy in points; "
-            "* significant (95% CI excludes 0, or Holm-adjusted McNemar p &lt; 0.05); (c→w↓ / w→c↑ flips).</p>"
-            + table(["variant", *map(escape, slices)], rows))
+    return ("<h2>Deltas by slice</h2><p class='small muted'>Variant − baseline accuracy in points per suite and "
+            "per slice of it (category, context length, depth, prompt-length bucket); "
+            "* significant (95% CI excludes 0, or Holm-adjusted McNemar p &lt; 0.05 across all of the variant's "
+            "slices); (c→w↓ / w→c↑ flips). Slices whose baseline CI reaches chance cannot show damage. "
+            "Small slices have wide intervals: read the n.</p>"
+            + table(["slice", "n", "baseline", *(escape(v["variant"]) for v in so["variants"])], rows, left=1))
 
 
 CSV_COLUMNS = ["variant", "verdict", "slice", "n", "base_acc", "var_acc", "delta", "delta_ci_low",
@@ -448,10 +490,16 @@ def flips_section(data: dict, run_dir: Path, limit: int = 15) -> str:
             for x in _jsonl(run_dir / name / s["samples_file"]):
                 y = b.get(x["doc_id"])
                 if y and y["correct"] != x["correct"] and len(rows) < limit:
-                    ch = x["choices"]
-                    rows.append([escape(suite), escape(str(x["doc_id"])), escape(x["question"][:300]),
-                                 escape(ch[x["label"]][:120]), escape(ch[y["pred"]][:120]),
-                                 escape(ch[x["pred"]][:120]), "correct→wrong" if y["correct"] else "wrong→correct"])
+                    if "choices" in x and isinstance(x.get("label"), int) and x.get("pred") is not None:
+                        ch = x["choices"]
+                        gold, said_b, said_v = ch[x["label"]], ch[y["pred"]], ch[x["pred"]]
+                    else:  # generation: what each engine wrote, and its failure category
+                        gold = x.get("target", "")
+                        said_b = f"[{y.get('category', '')}] {y.get('output', '')}"
+                        said_v = f"[{x.get('category', '')}] {x.get('output', '')}"
+                    rows.append([escape(suite), escape(str(x["doc_id"])), escape(str(x["question"])[:300]),
+                                 escape(str(gold)[:120]), escape(said_b[:200]), escape(said_v[:200]),
+                                 "correct→wrong" if y["correct"] else "wrong→correct"])
         if rows:
             out.append(f"<h3>{escape(name)}</h3>" + table(
                 ["suite", "item", "question", "gold", "baseline answer", "variant answer", "flip"], rows, left=7))
@@ -505,6 +553,9 @@ def provenance_section(data: dict) -> str:
             if name == "baseline" and s["near_chance"]:
                 caveats.append(f"Suite {suite}: the baseline's 95% CI reaches chance "
                                f"({s['chance']:.2f}); it cannot show damage.")
+    if any(v.get("drift") for v in (data["signoff"] or {}).get("variants", [])):
+        caveats.append("Token-level KL is computed from the engines' top-k logprobs: a lower bound of the "
+                       "full-vocabulary KL (see the drift section).")
     caveats.append("Latency and memory come from one run per variant on shared hardware; treat small "
                    "differences as noise. Peak memory is sampled, hence approximate.")
     return ("<h2>Provenance and caveats</h2>" + "".join(f"<div class='caveat'>{escape(c)}</div>" for c in caveats)
@@ -550,7 +601,7 @@ def render_html(data: dict, run_dir: Path) -> str:
             f"<h1>quantize-eval report: {escape(m['recipe_name'])}</h1>"
             f"<div class='muted small'>{escape(str(run_dir))} · model {escape(m['model_dir'])}</div>"
             + verdict_section(data) + schemes_section(data) + gates_section(data) + quality_section(data)
-            + heatmap_section(data) + chart_section(data)
+            + heatmap_section(data) + drift_section(data) + chart_section(data)
             + systems_section(data) + matrix_section(data) + flips_section(data, run_dir) + provenance_section(data)
             + f"<script type='application/json' id='results'>{raw}</script></body></html>")
 

@@ -144,3 +144,33 @@ def test_objective_picks_the_recommendation(tmp_path, objective, expect):
     assert so.recommendation_rule.startswith(
         {"smallest_checkpoint": "smallest", "lowest_tpot": "lowest p50 TPOT", "best_quality": "highest",
          "most_kv_capacity": "most KV"}[objective])
+
+
+def test_slices_are_paired_and_holm_adjusted_across_all_of_them(tmp_path):
+    """Each slice of a suite is its own paired comparison; a slice whose baseline sits at chance is
+    flagged; Holm runs over every suite and slice; a gate can name one slice."""
+    import json
+
+    r = recipe([{"metric": "accuracy_delta", "scope": "piqa/category=hard", "op": ">=", "threshold": -0.1}])
+    var = {"piqa": [0] * 30 + [1] * 30 + [1] * 8 + [0] * 32, "siqa": BASE["siqa"]}
+    root = make_run(tmp_path / "run", r, BASE, var)
+    for name in ("baseline", "v4"):
+        path = root / name / "samples" / "piqa.jsonl"
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        for x in rows:  # items 0-29 'hard' (where the variant breaks), the rest 'easy'
+            x["slices"] = {"category": "hard" if x["doc_id"] < 30 else "easy", "prompt_len": "0-31 tok"}
+            x["chance"] = 0.5
+        path.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    so = signoff(r, "h", root, load_results(root))
+    v = so.variants[0]
+    by = {p.slice: p for p in v.paired}
+    assert {"piqa", "siqa", "overall", "piqa/category=hard", "piqa/category=easy"} <= set(by)
+    assert "piqa/prompt_len=0-31 tok" not in by  # one bucket covers the suite: the suite row says it
+    hard = by["piqa/category=hard"]
+    assert (hard.n, hard.flips_correct_to_wrong, hard.base_acc, hard.var_acc) == (30, 30, 1.0, 0.0)
+    assert hard.suite == "piqa" and not hard.near_chance
+    assert by["piqa/category=easy"].near_chance is True  # baseline 30/70 on 2-way items: at chance
+    family = [p for p in v.paired if p.slice != "overall"]
+    ps = sorted(p.mcnemar_p for p in family)
+    assert min(p.mcnemar_p_holm for p in family) == pytest.approx(min(1, ps[0] * len(family)))
+    assert v.gates[0].scope == "piqa/category=hard" and v.gates[0].outcome == "FAIL"

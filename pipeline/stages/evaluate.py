@@ -14,93 +14,176 @@ import math
 import time
 from pathlib import Path
 
-from pipeline import assets, stats
+from pipeline import assets, drift, stats, suites
 from pipeline.engines import loadgen
 from pipeline.engines.server import SERVED_NAME, Server
 from pipeline.results import (
     CellResult,
+    DriftQuality,
     KVCapacity,
     Latency,
     QualityResult,
     Roofline,
+    SliceStat,
     SuiteQuality,
     SystemsResult,
 )
 from pipeline.runstore import atomic_write_text, weight_bytes, write_json
 
-EVALSUITES = Path(__file__).resolve().parent.parent.parent / "evalsuites"
-CORRECT_METRIC = "acc_norm"  # per-item correctness: length-normalised loglikelihood argmax
-
-
-def render_tasks(suites: tuple[str, ...], out_dir: Path) -> dict[str, Path]:
-    """Copy each suite's lm-eval task YAML into the run, with its local data path filled in."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for suite in suites:
-        text = (EVALSUITES / f"{suite}.yaml").read_text()
-        data = assets.suite_data(suite)
-        target = out_dir / f"qe_{suite}.yaml"
-        target.write_text(text.replace("{data}", str(data)))
-        paths[suite] = target
-    return paths
+CORRECT_METRIC = "acc_norm"  # multiple choice: length-normalised loglikelihood argmax
 
 
 def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Path,
                 input_hash: str, tasks_dir: Path) -> QualityResult:
+    """Every lm-eval suite in as few lm-eval calls as there are distinct limits, then drift."""
     import lm_eval
     from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
     q = recipe.quality
-    render_tasks(q.suites, tasks_dir)
-    tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
-    model_args = dict(model=SERVED_NAME, base_url=server.base_url + "/v1/completions",
-                      tokenizer=str(model_dir), tokenizer_backend="huggingface",
-                      tokenized_requests=True, num_concurrent=q.num_concurrent, batch_size=q.batch_size,
-                      max_retries=2,
-                      max_length=recipe.engine.max_model_len, timeout=600)
-    out = lm_eval.simple_evaluate(
-        model="local-completions", model_args=model_args, tasks=[f"qe_{s}" for s in q.suites],
-        task_manager=tm, limit=q.limit, log_samples=True, random_seed=0, numpy_random_seed=0,
-        torch_random_seed=0, fewshot_random_seed=0)
-    suites = {}
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
+    refs = suites.resolve(q.suites)
+    lm_refs = [r for r in refs if r.kind != "drift"]
+    by_limit: dict[int | None, list] = {}
+    for r in lm_refs:  # builtin data is cut when rendered; a user's task is cut by lm-eval's limit
+        suites.render(r, tasks_dir, tok, q, q.limit_of(r.name))
+        by_limit.setdefault(q.limit_of(r.name) if r.kind == "user" else None, []).append(r)
+    samples, configs = {}, {}
+    if lm_refs:
+        tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+        model_args = lm_eval_model_args(server, model_dir, recipe)
+        for limit, group in by_limit.items():
+            out = lm_eval.simple_evaluate(
+                model="local-completions", model_args=model_args, tasks=[r.task for r in group],
+                task_manager=tm, limit=limit, log_samples=True, random_seed=0, numpy_random_seed=0,
+                torch_random_seed=0, fewshot_random_seed=0)
+            samples.update(out["samples"])
+            configs.update(out["configs"])
+    results = {}
     samples_dir = vdir / "samples"
     samples_dir.mkdir(parents=True, exist_ok=True)
-    for suite in q.suites:
-        rows = []
-        for s in out["samples"][f"qe_{suite}"]:
-            doc = s["doc"]
-            lls = [float(r[0]) for r in s["filtered_resps"]]
-            correct = int(float(s[CORRECT_METRIC]) == 1.0)
-            rows.append({"doc_id": int(s["doc_id"]), "id": doc["id"], "question": doc["question"],
-                         "choices": doc["choices"], "label": doc["label"],
-                         "pred": _argmax_norm(lls, doc["choices"]), "loglikelihoods": lls,
-                         "correct": correct, "acc": int(float(s["acc"]) == 1.0),
-                         "doc_hash": s.get("doc_hash"), "prompt_hash": s.get("prompt_hash")})
-        rows.sort(key=lambda r: r["doc_id"])
-        path = samples_dir / f"{suite}.jsonl"
-        text = "".join(json.dumps(r) + "\n" for r in rows)
+    utils = suites.utils_module()
+    for r in lm_refs:
+        rows, metric = score_items(r, samples[r.task], configs.get(r.task, {}), tok, utils)
+        path = samples_dir / f"{r.name}.jsonl"
+        text = "".join(json.dumps(x) + "\n" for x in rows)
         atomic_write_text(path, text)
-        k, n = sum(r["correct"] for r in rows), len(rows)
-        lo, hi = stats.wilson(k, n)
-        chance = assets.SUITE_SOURCES[suite][2]
-        suites[suite] = SuiteQuality(suite=suite, n=n, correct=k, accuracy=k / n if n else math.nan,
-                                     ci_low=lo, ci_high=hi, chance=chance,
-                                     near_chance=lo <= chance, metric=CORRECT_METRIC,
-                                     samples_file=str(path.relative_to(vdir)),
-                                     samples_sha256=hashlib.sha256(text.encode()).hexdigest())
+        results[r.name] = suite_quality(r, rows, metric, str(path.relative_to(vdir)),
+                                        hashlib.sha256(text.encode()).hexdigest())
+    drift = None
+    if any(r.kind == "drift" for r in refs):
+        drift = run_drift(server, tok, q.drift, vdir)
     return QualityResult(variant=variant, input_hash=input_hash, status="ok",
-                         duration_s=time.perf_counter() - t0, suites=suites,
+                         duration_s=time.perf_counter() - t0, suites=results, drift=drift,
                          lm_eval_version=lm_eval.__version__,
                          settings={"backend": "local-completions (vLLM server, echo+logprobs)",
-                                   "limit": q.limit, "num_fewshot": 0,
-                                   "correct_metric": CORRECT_METRIC})
+                                   "limits": {r.name: q.limit_of(r.name) for r in lm_refs}, "num_fewshot": 0,
+                                   "correct_metric": {"mc": CORRECT_METRIC, "gen": "acc (evalsuites/qe_utils.py)",
+                                                      "user": "acc_norm if present, else the task's first metric"
+                                                              " == 1"},
+                                   "prompt_length_buckets": "prompt tokens by the model's tokenizer, "
+                                                            "edges " + ", ".join(map(str, suites.BUCKETS))})
+
+
+def lm_eval_model_args(server: Server, model_dir: Path, recipe) -> dict:
+    """lm-eval's local-completions against the pipeline's server; the fidelity test gives the
+    lm_eval CLI exactly these."""
+    q = recipe.quality
+    return dict(model=SERVED_NAME, base_url=server.base_url + "/v1/completions",
+                tokenizer=str(model_dir), tokenizer_backend="huggingface",
+                tokenized_requests=True, num_concurrent=q.num_concurrent, batch_size=q.batch_size,
+                max_retries=2, max_length=recipe.engine.max_model_len, timeout=600)
+
+
+def _first(x):
+    while isinstance(x, (list, tuple)) and x:
+        x = x[0]
+    return x
+
+
+def score_items(suite, samples: list[dict], config: dict, tok, utils) -> tuple[list[dict], str]:
+    """Per-item rows (kept for audit): correct or not, failure category, slices, prompt length."""
+    rows = []
+    output_type = config.get("output_type") or ("multiple_choice" if suite.kind == "mc" else "generate_until")
+    metric = CORRECT_METRIC if suite.kind == "mc" else "acc"
+    if suite.kind == "user":
+        names = [m["metric"] for m in config.get("metric_list", []) if isinstance(m, dict) and "metric" in m]
+        metric = "acc_norm" if "acc_norm" in names else (names[0] if names else "acc")
+    gen = config.get("generation_kwargs") or {}
+    max_gen = int(gen.get("max_gen_toks", 256))
+    for s in samples:
+        doc = s["doc"]
+        context = _first(s["arguments"])
+        n_prompt = len(tok(str(context), add_special_tokens=False)["input_ids"])
+        slices = {**(doc.get("slices") or {}), "prompt_len": suites.bucket(n_prompt)}
+        correct = int(float(s.get(metric, 0)) >= 1.0)
+        row = {"doc_id": int(s["doc_id"]), "id": doc.get("id", s["doc_id"]),
+               "question": doc.get("question") or str(context)[-2000:], "target": str(s.get("target")),
+               "correct": correct, "prompt_tokens": n_prompt, "slices": slices,
+               "doc_hash": s.get("doc_hash"), "prompt_hash": s.get("prompt_hash")}
+        if output_type == "multiple_choice":
+            lls = [float(_first(r)) for r in s["filtered_resps"]]
+            choices = doc.get("choices") or [str(a[1]) for a in s["arguments"]]
+            row.update(choices=choices, label=doc.get("label", s.get("target")), loglikelihoods=lls,
+                       pred=_argmax_norm(lls, choices) if len(choices) == len(lls) else None,
+                       acc=int(float(s.get("acc", 0)) >= 1.0), chance=1 / max(1, len(lls)),
+                       category="correct" if correct else "wrong")
+        else:
+            text = str(_first(s["filtered_resps"]) or "")
+            n_out = len(tok(text, add_special_tokens=False)["input_ids"])
+            row.update(output=text, output_tokens=n_out, chance=0.0,
+                       category=utils.failure_category(suite.name, doc, text, bool(correct), n_out, max_gen))
+            if suite.kind == "gen":
+                row["question"] = doc.get("question") or doc.get("needle_answer", "")
+        rows.append(row)
+    rows.sort(key=lambda r: r["doc_id"])
+    return rows, metric
 
 
 def _argmax_norm(lls: list[float], choices: list[str]) -> int:
     """lm-eval's acc_norm choice (api/task.py): loglikelihood / len(choice) in characters."""
-    normed = [ll / max(1, len(c)) for ll, c in zip(lls, choices, strict=True)]
+    normed = [ll / max(1, len(str(c))) for ll, c in zip(lls, choices, strict=True)]
     return max(range(len(normed)), key=normed.__getitem__)
+
+
+def suite_quality(suite, rows: list[dict], metric: str, samples_file: str, sha: str) -> SuiteQuality:
+    k, n = sum(r["correct"] for r in rows), len(rows)
+    lo, hi = stats.wilson(k, n)
+    chance = sum(r["chance"] for r in rows) / n if n else 0.0
+    cats: dict[str, int] = {}
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        cats[r["category"]] = cats.get(r["category"], 0) + 1
+        for dim, val in r["slices"].items():
+            groups.setdefault(f"{dim}={val}", []).append(r)
+    slices = {}
+    for key, rs in sorted(groups.items()):
+        kk, nn = sum(r["correct"] for r in rs), len(rs)
+        a, b = stats.wilson(kk, nn)
+        slices[key] = SliceStat(n=nn, correct=kk, accuracy=kk / nn, ci_low=a, ci_high=b,
+                                chance=sum(r["chance"] for r in rs) / nn)
+    return SuiteQuality(suite=suite.name, n=n, correct=k, accuracy=k / n if n else math.nan, ci_low=lo, ci_high=hi,
+                        chance=chance, near_chance=lo <= chance, metric=metric, kind=suite.kind,
+                        categories=cats, slices=slices, samples_file=samples_file, samples_sha256=sha)
+
+
+def drift_corpus_ids(tok) -> list[int]:
+    text = "\n\n".join(t for _, t in assets.essays())
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def run_drift(server: Server, tok, spec, vdir: Path) -> DriftQuality:
+    windows = drift.windows_from_ids(drift_corpus_ids(tok), spec.windows, spec.window_tokens)
+    rows = drift.score_windows(server.port, SERVED_NAME, windows, spec.top_k)
+    path = vdir / "samples" / "drift.jsonl"
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    atomic_write_text(path, text)
+    ppl, tokens = drift.perplexity(rows)
+    return DriftQuality(windows=len(rows), tokens=tokens, window_tokens=spec.window_tokens, top_k=spec.top_k,
+                        perplexity=ppl, corpus=f"{assets.NEEDLE.name}=={assets.NEEDLE.version} essays, last "
+                        f"{len(rows)} x {spec.window_tokens} tokens", samples_file=str(path.relative_to(vdir)),
+                        samples_sha256=hashlib.sha256(text.encode()).hexdigest())
 
 
 class PromptStream:
@@ -251,12 +334,18 @@ def measure_bandwidth_gbps(mib: int = 256, tries: int = 5) -> float:
     return 2 * src.nbytes / best / 1e9
 
 
+def logprob_args(recipe) -> list[str]:
+    """The drift suite's top-k above vLLM's default cap of 20: raised for every variant alike."""
+    k = recipe.quality.drift.top_k
+    return ["--max-logprobs", str(k)] if "drift" in recipe.quality.suites and k > 20 else []
+
+
 def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
              need_quality: str | None, need_systems: str | None, tasks_dir: Path,
              log=print, extra_args: list[str] | None = None) -> tuple[QualityResult | None, SystemsResult | None]:
     """Start one engine; run whichever of quality/systems are missing (their input hashes)."""
     quality = systems = None
-    extra_args = list(extra_args or [])
+    extra_args = list(extra_args or []) + logprob_args(recipe)
     act_bytes = 4 if dtype == "float32" else 2
     kv_bytes = 1 if "fp8" in extra_args else act_bytes  # --kv-cache-dtype fp8
     with Server(model_dir, recipe.engine, dtype, vdir / "engine.log",
@@ -265,8 +354,9 @@ def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
         if need_quality:
             quality = run_quality(server, model_dir, recipe, variant, vdir, need_quality, tasks_dir)
             write_json(vdir / "quality.json", quality)
-            log("quality: " + ", ".join(f"{s} {r.accuracy:.3f} (n={r.n})"
-                                        for s, r in quality.suites.items()))
+            log("quality: " + ", ".join([f"{s} {r.accuracy:.3f} (n={r.n})" for s, r in quality.suites.items()]
+                                        + ([f"drift PPL {quality.drift.perplexity:.2f} ({quality.drift.tokens} "
+                                            "tokens)"] if quality.drift else [])))
         if need_systems:
             systems = run_systems(server, model_dir, recipe, variant, need_systems, kv_bytes, act_bytes)
         server.stop()

@@ -13,10 +13,11 @@ import hashlib
 import json
 from pathlib import Path
 
-from pipeline import metrics, stats
+from pipeline import drift, metrics, stats
 from pipeline.results import (
     GateOutcome,
     Measured,
+    PairedDrift,
     PairedSlice,
     QualityResult,
     Signoff,
@@ -25,46 +26,78 @@ from pipeline.results import (
 )
 
 
-def load_samples(vdir: Path, quality: QualityResult, suite: str) -> dict[int, int]:
-    s = quality.suites[suite]
-    path = vdir / s.samples_file
+def _read_checked(vdir: Path, samples_file: str, sha: str | None) -> list[dict]:
+    path = vdir / samples_file
     data = path.read_bytes()
-    if s.samples_sha256 and hashlib.sha256(data).hexdigest() != s.samples_sha256:
+    if sha and hashlib.sha256(data).hexdigest() != sha:
         raise ValueError(f"{path}: per-item samples do not match quality.json (rewritten since)")
-    return {r["doc_id"]: r["correct"] for r in map(json.loads, data.decode().splitlines())}
+    return [json.loads(line) for line in data.decode().splitlines()]
+
+
+def load_rows(vdir: Path, quality: QualityResult, suite: str) -> dict[int, dict]:
+    s = quality.suites[suite]
+    return {r["doc_id"]: r for r in _read_checked(vdir, s.samples_file, s.samples_sha256)}
+
+
+def load_samples(vdir: Path, quality: QualityResult, suite: str) -> dict[int, int]:
+    return {i: r["correct"] for i, r in load_rows(vdir, quality, suite).items()}
 
 
 def paired_slices(base_dir: Path, base_q: QualityResult, var_dir: Path, var_q: QualityResult,
                   samples: int, seed: int) -> list[PairedSlice]:
-    """One paired comparison per suite plus 'overall' (all suites' items pooled)."""
+    """Per suite, per slice of each suite ('suite/dimension=value': category, context length, depth,
+    prompt-length bucket...), and 'overall' (all suites' items pooled). McNemar p-values are
+    Holm-adjusted across every suite and slice of the variant (the family it is judged on)."""
     pooled_b, pooled_v, near = [], [], []
     out = []
     for suite in base_q.suites:
         if suite not in var_q.suites:
             continue
-        b, v = load_samples(base_dir, base_q, suite), load_samples(var_dir, var_q, suite)
+        b, v = load_rows(base_dir, base_q, suite), load_rows(var_dir, var_q, suite)
         ids = sorted(set(b) & set(v))
-        bs, vs = [b[i] for i in ids], [v[i] for i in ids]
+        bs, vs = [b[i]["correct"] for i in ids], [v[i]["correct"] for i in ids]
         pooled_b += bs
         pooled_v += vs
         near.append(base_q.suites[suite].near_chance)
-        out.append(_paired(suite, bs, vs, samples, seed, base_q.suites[suite].near_chance))
+        out.append(_paired(suite, bs, vs, samples, seed, base_q.suites[suite].near_chance, suite))
+        groups: dict[str, list[int]] = {}
+        for i in ids:
+            for dim, val in (b[i].get("slices") or {}).items():
+                groups.setdefault(f"{suite}/{dim}={val}", []).append(i)
+        for key, gids in sorted(groups.items()):
+            if len(gids) == len(ids):  # one value covers the suite: the suite row says it already
+                continue
+            gb, gv = [b[i]["correct"] for i in gids], [v[i]["correct"] for i in gids]
+            chance = sum(b[i].get("chance", base_q.suites[suite].chance) for i in gids) / len(gids)
+            lo, _ = stats.wilson(sum(gb), len(gb))
+            out.append(_paired(key, gb, gv, samples, seed, lo <= chance, suite))
     adjusted = stats.holm([s.mcnemar_p for s in out])
     for s, p in zip(out, adjusted, strict=True):
         s.mcnemar_p_holm = p
     if pooled_b:
-        out.append(_paired("overall", pooled_b, pooled_v, samples, seed, all(near)))
+        out.append(_paired("overall", pooled_b, pooled_v, samples, seed, all(near), ""))
     return out
 
 
-def _paired(name: str, b: list[int], v: list[int], samples: int, seed: int, near: bool) -> PairedSlice:
+def paired_drift(base_dir: Path, base_q: QualityResult, var_dir: Path, var_q: QualityResult,
+                 samples: int, seed: int) -> PairedDrift | None:
+    if base_q.drift is None or var_q.drift is None:
+        return None
+    b = _read_checked(base_dir, base_q.drift.samples_file, base_q.drift.samples_sha256)
+    v = _read_checked(var_dir, var_q.drift.samples_file, var_q.drift.samples_sha256)
+    s = drift.summarize(drift.compare(b, v), samples, seed)
+    return PairedDrift(top_k=min(base_q.drift.top_k, var_q.drift.top_k), **s)
+
+
+def _paired(name: str, b: list[int], v: list[int], samples: int, seed: int, near: bool,
+            suite: str = "") -> PairedSlice:
     n = len(b)
     if n == 0:
         raise ValueError(f"slice {name}: no items shared by the baseline and the variant")
     c2w = sum(1 for x, y in zip(b, v, strict=True) if x == 1 and y == 0)
     w2c = sum(1 for x, y in zip(b, v, strict=True) if x == 0 and y == 1)
     delta, lo, hi = stats.paired_delta_ci(b, v, samples, seed)
-    return PairedSlice(slice=name, n=n, base_acc=sum(b) / n, var_acc=sum(v) / n, delta=delta,
+    return PairedSlice(slice=name, suite=suite, n=n, base_acc=sum(b) / n, var_acc=sum(v) / n, delta=delta,
                        delta_ci_low=lo, delta_ci_high=hi, flips_correct_to_wrong=c2w,
                        flips_wrong_to_correct=w2c, mcnemar_p=stats.mcnemar_exact(c2w, w2c),
                        near_chance=near)
@@ -98,7 +131,21 @@ def systems_metric(name: str, v: SystemsResult, b: SystemsResult) -> Measured:
     return Measured(value=value)
 
 
-def quality_metric(name: str, scope: str, var_q: QualityResult, paired: list[PairedSlice]) -> Measured:
+def quality_metric(name: str, scope: str, var_q: QualityResult, paired: list[PairedSlice],
+                   pd: PairedDrift | None = None) -> Measured:
+    if name in ("kl_divergence", "top1_agreement", "perplexity_ratio"):
+        if pd is None:
+            return Measured(value=None)
+        key = {"kl_divergence": ("kl_mean", "kl"), "top1_agreement": ("top1_agreement", "top1"),
+               "perplexity_ratio": ("ppl_ratio", "ppl_ratio")}[name]
+        return Measured(value=getattr(pd, key[0]), ci_low=getattr(pd, f"{key[1]}_ci_low"),
+                        ci_high=getattr(pd, f"{key[1]}_ci_high"))
+    if name == "accuracy" and "/" in scope:
+        suite, key = scope.split("/", 1)
+        st = var_q.suites[suite].slices.get(key) if suite in var_q.suites else None
+        if st is None:
+            return Measured(value=None)
+        return Measured(value=st.accuracy, ci_low=st.ci_low, ci_high=st.ci_high)
     if name == "accuracy":
         if scope == "overall":
             k = sum(s.correct for s in var_q.suites.values())
@@ -149,6 +196,8 @@ def signoff(recipe, recipe_hash: str, run_root: Path, results: dict[str, dict]) 
         try:
             paired = paired_slices(run_root / "baseline", base_q, run_root / v.name, q,
                                    recipe.quality.bootstrap_samples, recipe.quality.seed)
+            pd = paired_drift(run_root / "baseline", base_q, run_root / v.name, q,
+                              recipe.quality.bootstrap_samples, recipe.quality.seed)
         except (OSError, ValueError, KeyError) as exc:
             verdicts.append(VariantSignoff(variant=v.name, verdict="FAILED-TO-RUN",
                                            reason=f"sign-off: {type(exc).__name__}: {exc}"))
@@ -158,7 +207,7 @@ def signoff(recipe, recipe_hash: str, run_root: Path, results: dict[str, dict]) 
             m = metrics.METRICS[g.metric]
             scopes = list(q.suites) if g.scope == "each_suite" else [g.scope]
             for scope in scopes:
-                measured = (quality_metric(g.metric, scope, q, paired) if m.stage == "quality"
+                measured = (quality_metric(g.metric, scope, q, paired, pd) if m.stage == "quality"
                             else systems_metric(g.metric, s, base_s))
                 why = (s.error or "not measured") if m.stage == "systems" else "not measured"
                 gates.append(judge(g.model_copy(update={"scope": scope}), measured, why))
@@ -173,7 +222,7 @@ def signoff(recipe, recipe_hash: str, run_root: Path, results: dict[str, dict]) 
         reason = "; ".join(failing + (["no gates declared"] if not gates else [])
                            + ([f"systems not measured: {s.error}"] if s.status == "skipped" else []))
         verdicts.append(VariantSignoff(variant=v.name, verdict=verdict, reason=reason, gates=gates,
-                                       paired=paired))
+                                       paired=paired, drift=pd))
     passing = [x.variant for x in verdicts if x.verdict in ("PASS", "WARN")]
     # nothing evaluated (all skipped) is not a sign-off either
     bad = any(x.verdict in ("FAIL", "FAILED-TO-RUN") for x in verdicts) or not passing

@@ -1,0 +1,201 @@
+"""Scoring for the generative suites: lm-eval calls the process_* functions (`!function
+qe_utils.process_asdiv` in a task YAML); the pipeline calls `failure_category` on the same
+outputs. Standard library only, so the task folder works with the plain `lm_eval` CLI.
+
+Failure categories of a generated answer, first match wins:
+  correct, empty (nothing but whitespace), refusal (declines to answer), truncated (hit the
+  generation limit without a correct answer), malformed (no number / no parseable tool call),
+  wrong (a well-formed answer that is not the gold one).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+REFUSAL = re.compile(
+    r"\b(i (?:can ?not|can't|cannot|am unable to|'m unable to|won't|will not)|i'm sorry|i am sorry|"
+    r"as an ai|i (?:do not|don't) have (?:access|the ability)|unable to (?:help|assist|answer))\b", re.I)
+CATEGORIES = ("correct", "wrong", "malformed", "truncated", "refusal", "empty")
+
+
+# --- math word problems ----------------------------------------------------------------------
+
+def extract_number(text: str) -> float | None:
+    """The answer a model gave: the number after 'answer is' / '=' if any, else the last number."""
+    text = text.replace("$", "")
+    m = re.search(r"(?:answer is|answer:|=)\s*(" + NUMBER.pattern + ")", text, re.I)
+    found = m.group(1) if m else (NUMBER.findall(text) or [None])[-1]
+    if found is None:
+        return None
+    try:
+        return float(found.replace(",", "").rstrip("."))
+    except ValueError:
+        return None
+
+
+def asdiv_correct(doc: dict, text: str) -> bool:
+    got = extract_number(text)
+    return got is not None and abs(got - float(doc["answer"])) < 1e-6 * max(1.0, abs(float(doc["answer"])))
+
+
+def process_asdiv(doc: dict, results: list[str]) -> dict:
+    return {"acc": int(asdiv_correct(doc, results[0]))}
+
+
+# --- tool calls (BFCL) -----------------------------------------------------------------------
+
+def _json_objects(text: str):
+    """Every balanced {...} substring that parses as JSON, outermost first."""
+    for start in [i for i, ch in enumerate(text) if ch == "{"]:
+        depth, in_str, esc = 0, False, False
+        for j in range(start, len(text)):
+            ch = text[j]
+            if in_str:
+                esc = ch == "\\" and not esc
+                if ch == '"' and not esc:
+                    in_str = False
+                continue
+            if ch == '"':
+                in_str = True
+            elif ch == "{":
+                depth += 1
+            elif ch == "}":
+                depth -= 1
+                if depth == 0:
+                    try:
+                        yield json.loads(text[start:j + 1])
+                    except ValueError:
+                        pass
+                    break
+
+
+def _dotted(node) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def parse_call(text: str) -> tuple[str, dict] | None:
+    """A tool call in the output: JSON {"name": ..., "arguments": {...}} (also "parameters", or
+    {name: {args}}), or Python call syntax name(arg=value, ...) as BFCL writes it. None if none."""
+    for obj in _json_objects(text):
+        if not isinstance(obj, dict):
+            continue
+        name = obj.get("name") or obj.get("function")
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(name, dict):  # {"function": {"name":..., "arguments":...}}
+            name, args = name.get("name"), name.get("arguments", args)
+        if isinstance(name, str) and isinstance(args, (dict, str)):
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    continue
+            if isinstance(args, dict):
+                return name, args
+        if len(obj) == 1:
+            (k, v), = obj.items()
+            if isinstance(v, dict):
+                return k, v
+    for line in re.findall(r"[A-Za-z_][\w.]*\s*\(.*\)", text, re.S):
+        try:
+            node = ast.parse(line.strip(), mode="eval").body
+        except SyntaxError:
+            continue
+        if isinstance(node, ast.Call) and (name := _dotted(node.func)):
+            try:
+                return name, {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+            except ValueError:
+                continue
+    return None
+
+
+def _same(value, allowed) -> bool:
+    if isinstance(value, bool) or isinstance(allowed, bool):
+        return value is allowed or (isinstance(value, str) and value.lower() == str(allowed).lower())
+    if isinstance(allowed, (int, float)):
+        try:
+            return abs(float(value) - float(allowed)) < 1e-9
+        except (TypeError, ValueError):
+            return False
+    if isinstance(allowed, str):
+        return isinstance(value, (str, int, float)) and str(value).strip().lower() == allowed.strip().lower()
+    if isinstance(allowed, list):
+        return isinstance(value, (list, tuple)) and len(value) == len(allowed) and all(
+            _same(a, b) for a, b in zip(value, allowed))
+    if isinstance(allowed, dict):
+        return isinstance(value, dict) and set(value) == set(allowed) and all(
+            _same(value[k], allowed[k]) for k in allowed)
+    return value == allowed
+
+
+def call_matches(call: tuple[str, dict], truth: dict) -> bool:
+    """BFCL's AST check: the right function; every required argument present with one of its
+    allowed values ("" among them = may be omitted); no argument the function does not take."""
+    (fname, allowed), = truth.items()
+    name, args = call
+    if name != fname:
+        return False
+    if set(args) - set(allowed):
+        return False
+    for param, values in allowed.items():
+        if param not in args:
+            if "" not in values:
+                return False
+        elif not any(_same(args[param], v) for v in values if v != ""):
+            return False
+    return True
+
+
+def bfcl_correct(doc: dict, text: str) -> bool:
+    call = parse_call(text)
+    if doc["ground_truth"] is None:  # irrelevance: no function fits, so no call is right
+        return call is None and text.strip() != ""
+    return call is not None and call_matches(call, doc["ground_truth"])
+
+
+def process_bfcl(doc: dict, results: list[str]) -> dict:
+    return {"acc": int(bfcl_correct(doc, results[0]))}
+
+
+# --- long-context retrieval ------------------------------------------------------------------
+
+def needle_correct(doc: dict, text: str) -> bool:
+    return doc["needle_answer"].lower() in text.lower()
+
+
+def process_needle(doc: dict, results: list[str]) -> dict:
+    return {"acc": int(needle_correct(doc, results[0]))}
+
+
+# --- failure categories ----------------------------------------------------------------------
+
+def well_formed(suite: str, doc: dict, text: str) -> bool:
+    if suite == "asdiv":
+        return extract_number(text) is not None
+    if suite == "bfcl":
+        return doc["ground_truth"] is None or parse_call(text) is not None
+    return True
+
+
+def failure_category(suite: str, doc: dict, text: str, correct: bool, output_tokens: int,
+                     max_gen_toks: int) -> str:
+    """One of CATEGORIES. Truncation is judged from the re-tokenized output (>= the limit minus
+    one token: re-tokenizing decoded text can merge a token), so it is approximate."""
+    if correct:
+        return "correct"
+    if not text.strip():
+        return "empty"
+    if REFUSAL.search(text):
+        return "refusal"
+    if output_tokens >= max_gen_toks - 1:
+        return "truncated"
+    if not well_formed(suite, doc, text):
+        return "malformed"
+    return "wrong"

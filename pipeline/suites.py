@@ -1,0 +1,208 @@
+"""Quality suites: which exist, how each becomes an lm-eval task in a run, and how its items are sliced.
+
+A suite is an lm-eval task YAML in `evalsuites/` over local data (multiple choice scored by
+loglikelihood, or generation scored by `evalsuites/qe_utils.py`), a user's own lm-eval task
+YAML given by path, or `drift`: perplexity and token-level KL against the baseline from the
+engine's logprobs (pipeline-native, not an lm-eval task). Rendering a suite into a run
+copies its YAML (and `qe_utils.py`) into the run's task folder with its data file, cut to
+the recipe's size; generative prompts are rendered with the model's own chat template, so
+they are per run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from pipeline import assets
+from pipeline.runstore import atomic_write_text
+
+EVALSUITES = Path(__file__).resolve().parent.parent / "evalsuites"
+MC = ("piqa", "siqa", "openbookqa", "commonsenseqa", "bigbench")
+GEN = ("asdiv", "bfcl", "needle")
+BUILTIN = (*MC, *GEN, "drift")
+# prompt-length buckets (tokens), a slice on every suite
+BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str  # the slice family name in results (a builtin name, or a user task's `task:`)
+    kind: str  # mc | gen | drift | user
+    yaml_path: Path | None
+
+    @property
+    def task(self) -> str:
+        return f"qe_{self.name}" if self.kind != "user" else self.name
+
+
+def utils_module():
+    spec = importlib.util.spec_from_file_location("qe_utils", EVALSUITES / "qe_utils.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _TaskLoader(yaml.SafeLoader):
+    """Reads lm-eval task YAML, whose `!function` tags the safe loader does not know."""
+
+
+_TaskLoader.add_constructor("!function", lambda loader, node: f"!function {loader.construct_scalar(node)}")
+
+
+def read_task_yaml(path: Path) -> dict:
+    data = yaml.load(path.read_text(), Loader=_TaskLoader)  # noqa: S506 - a SafeLoader subclass
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: an lm-eval task YAML must be a mapping")
+    return data
+
+
+def user_task(path: Path) -> Suite:
+    """A user's lm-eval task YAML; raises ValueError with a one-line reason."""
+    if not path.is_file():
+        raise ValueError(f"{path}: task YAML not found")
+    try:
+        data = read_task_yaml(path)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {' '.join(str(exc).split())[:200]}") from None
+    name = data.get("task")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{path}: no `task:` name (only single-task YAMLs drop in, not groups)")
+    if "include" in data:
+        raise ValueError(f"{path}: `include:` of another YAML is not supported; inline it")
+    if data.get("output_type", "generate_until") not in ("multiple_choice", "generate_until", "loglikelihood"):
+        raise ValueError(f"{path}: output_type {data.get('output_type')!r} is not scored per item here")
+    return Suite(name=name, kind="user", yaml_path=path.resolve())
+
+
+def resolve(entries, base_dir: Path | None = None) -> list[Suite]:
+    out = []
+    for e in entries:
+        if e in BUILTIN:
+            kind = "drift" if e == "drift" else ("mc" if e in MC else "gen")
+            out.append(Suite(e, kind, None if e == "drift" else EVALSUITES / f"{e}.yaml"))
+        else:
+            p = Path(e)
+            out.append(user_task(p if p.is_absolute() or base_dir is None else base_dir / p))
+    return out
+
+
+def definition_hash(suite: Suite) -> str:
+    """Everything that defines a suite's items and scoring, for the quality key."""
+    h = hashlib.sha256()
+    if suite.yaml_path is not None:
+        h.update(suite.yaml_path.read_bytes())
+    if suite.kind in ("gen", "drift"):
+        h.update((EVALSUITES / "qe_utils.py").read_bytes())
+    if suite.kind == "user":
+        for py in sorted(suite.yaml_path.parent.glob("*.py")):
+            h.update(py.name.encode() + py.read_bytes())
+    if suite.kind in ("mc", "gen") and suite.name in assets.DATA_SOURCES:
+        h.update(assets.data_version(suite.name).encode())
+    if suite.name in ("needle", "drift"):
+        h.update(f"{assets.NEEDLE.name}=={assets.NEEDLE.version} {assets.NEEDLE.sha256}".encode())
+    return h.hexdigest()
+
+
+def bucket(tokens: int) -> str:
+    lo = 0
+    for hi in BUCKETS:
+        if tokens < hi:
+            return f"{lo}-{hi - 1} tok"
+        lo = hi
+    return f">={lo} tok"
+
+
+# --- rendering a suite into a run's task folder ----------------------------------------------
+
+def chat(tokenizer, system: str | None, user: str) -> str:
+    """The prompt as the model is served: its chat template if it has one, else plain text."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return (f"{system}\n\n" if system else "") + f"{user}\nAnswer:"
+
+
+def _asdiv_prompts(rows: list[dict], tok) -> list[dict]:
+    for r in rows:
+        r["prompt"] = chat(tok, None, f"{r['question']}\nSolve it and end with: The answer is <number>.")
+    return rows
+
+
+BFCL_SYSTEM = ("You can call these functions (JSON schema):\n{functions}\n\nIf one of them fits the user's "
+               "request, reply with only the call as JSON: {{\"name\": <function name>, \"arguments\": "
+               "{{<argument>: <value>, ...}}}}. If none fits, reply NONE.")
+
+
+def _bfcl_prompts(rows: list[dict], tok) -> list[dict]:
+    for r in rows:
+        r["prompt"] = chat(tok, BFCL_SYSTEM.format(functions=json.dumps(r["functions"])), r["question"])
+    return rows
+
+
+CITIES = ("Lisbon", "Nairobi", "Osaka", "Quito", "Tromso", "Adelaide", "Krakow", "Montreal", "Cusco", "Hanoi",
+          "Bergen", "Tbilisi")
+WORDS = ("marigold", "telescope", "pinecone", "saxophone", "lighthouse", "avalanche", "cinnamon", "hammock",
+         "porcupine", "velvet", "harmonica", "tangerine")
+
+
+def needle_rows(tok, context_tokens: tuple[int, ...], depths: tuple[float, ...], per_cell: int) -> list[dict]:
+    """Haystacks of exact token lengths cut from the packaged essays, a needle sentence inserted at
+    each depth (at the nearest sentence start), per_cell different needles per (length, depth)."""
+    text = "\n\n".join(t for _, t in assets.essays())
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    rng = random.Random(0)
+    rows, offset = [], 0
+    for length in context_tokens:
+        for depth in depths:
+            for k in range(per_cell):
+                if offset + length > len(ids):
+                    offset = 0
+                hay = tok.decode(ids[offset:offset + length])
+                offset += length
+                cut = int(len(hay) * depth)
+                dot = hay.rfind(". ", 0, cut)
+                cut = 0 if depth == 0 or dot < 0 else dot + 2
+                city, word = CITIES[(len(rows) + k) % len(CITIES)], rng.choice(WORDS)
+                needle = f"The secret code word for {city} is {word}."
+                body = hay[:cut] + needle + " " + hay[cut:]
+                question = f"What is the secret code word for {city}? Reply with the word only."
+                rows.append({"id": len(rows), "needle_answer": word, "context_tokens": length, "depth": depth,
+                             "prompt": chat(tok, None, f"{body}\n\n{question}"),
+                             "slices": {"context": f"{length} tok", "depth": f"{int(depth * 100)}%"}})
+    return rows
+
+
+def render(suite: Suite, out_dir: Path, tok, quality, limit: int | None) -> Path:
+    """The suite's task YAML in the run's task folder, its data file cut to `limit` items."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if suite.kind == "user":
+        for f in suite.yaml_path.parent.glob("*.py"):  # !function helpers sit beside the YAML
+            atomic_write_text(out_dir / f.name, f.read_text())
+        target = out_dir / f"{suite.name}.yaml"
+        atomic_write_text(target, suite.yaml_path.read_text())
+        return target
+    if suite.name == "needle":
+        n = quality.needle
+        rows = needle_rows(tok, n.context_tokens, n.depths, n.per_cell)
+    else:
+        with open(assets.suite_data(suite.name)) as f:
+            rows = [json.loads(line) for line in f]
+    rows = rows[:limit] if limit else rows
+    if suite.name == "asdiv":
+        rows = _asdiv_prompts(rows, tok)
+    elif suite.name == "bfcl":
+        rows = _bfcl_prompts(rows, tok)
+    data = out_dir / f"qe_{suite.name}.jsonl"
+    atomic_write_text(data, "".join(json.dumps(r) + "\n" for r in rows))
+    if suite.kind == "gen":
+        atomic_write_text(out_dir / "qe_utils.py", (EVALSUITES / "qe_utils.py").read_text())
+    target = out_dir / f"qe_{suite.name}.yaml"
+    atomic_write_text(target, suite.yaml_path.read_text().replace("{data}", str(data)))
+    return target

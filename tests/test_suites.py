@@ -1,0 +1,233 @@
+"""Suite scoring (evalsuites/qe_utils.py), data extraction, rendering, slicing, and the KL maths."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+
+from pipeline import assets, drift, suites
+from pipeline.recipe import Recipe, RecipeError, load
+
+U = suites.utils_module()
+
+
+# --- generative scoring ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,want", [
+    ("The answer is 15.", 15.0), ("9 + 6 = 15\nThe answer is 15.\n\nThe answer", 15.0),
+    ("She has 1,200 apples", 1200.0), ("x = -3.5 so", -3.5), ("no digits here", None),
+    ("First 3 then 4 then 12", 12.0), ("It costs $4.50.", 4.5)])
+def test_extract_number(text, want):
+    assert U.extract_number(text) == want
+
+
+TRUTH = {"calculate_triangle_area": {"base": [10], "height": [5], "unit": ["units", ""]}}
+
+
+@pytest.mark.parametrize("text,ok", [
+    ('{"name": "calculate_triangle_area", "arguments": {"base": 10, "height": 5}}', True),
+    ('Sure: {"name": "calculate_triangle_area", "arguments": {"base": 10, "height": 5, "unit": "units"}}', True),
+    ("calculate_triangle_area(base=10, height=5)", True),
+    ('{"calculate_triangle_area": {"base": "10", "height": 5.0}}', True),
+    ('{"name": "calculate_triangle_area", "arguments": {"base": 10}}', False),  # required height missing
+    ('{"name": "calculate_triangle_area", "arguments": {"base": 10, "height": 6}}', False),
+    ('{"name": "calculate_triangle_area", "arguments": {"base": 10, "height": 5, "color": "red"}}', False),
+    ('{"name": "triangle_area", "arguments": {"base": 10, "height": 5}}', False),
+    ("calculate_triangle_area(base=10, height=5", False),  # unbalanced: no call
+])
+def test_bfcl_call_check(text, ok):
+    assert U.bfcl_correct({"ground_truth": TRUTH}, text) is ok
+
+
+def test_bfcl_irrelevance_right_only_without_a_call():
+    doc = {"ground_truth": None}
+    assert U.bfcl_correct(doc, "NONE")
+    assert U.bfcl_correct(doc, "I cannot do that with these tools.")
+    assert not U.bfcl_correct(doc, '{"name": "bmi", "arguments": {"weight": 1}}')
+    assert not U.bfcl_correct(doc, "   ")
+
+
+@pytest.mark.parametrize("suite,doc,text,correct,n,cat", [
+    ("asdiv", {"answer": "9"}, "The answer is 9.", True, 5, "correct"),
+    ("asdiv", {"answer": "9"}, "   \n", False, 1, "empty"),
+    ("asdiv", {"answer": "9"}, "I'm sorry, I cannot help with that.", False, 9, "refusal"),
+    ("asdiv", {"answer": "9"}, "Let us think step by step about the apples and", False, 64, "truncated"),
+    ("asdiv", {"answer": "9"}, "Apples are red.", False, 4, "malformed"),
+    ("asdiv", {"answer": "9"}, "The answer is 8.", False, 5, "wrong"),
+    ("bfcl", {"ground_truth": TRUTH}, "I would compute it by hand.", False, 6, "malformed"),
+    ("bfcl", {"ground_truth": TRUTH}, "calculate_triangle_area(base=1, height=5)", False, 9, "wrong"),
+    ("needle", {"needle_answer": "velvet"}, "marigold", False, 2, "wrong"),
+])
+def test_failure_categories(suite, doc, text, correct, n, cat):
+    assert U.failure_category(suite, doc, text, correct, n, 64) == cat
+
+
+# --- data and rendering ----------------------------------------------------------------------
+
+def test_packaged_data_extracts_with_gold_labels():
+    for name, want in (("openbookqa", 500), ("commonsenseqa", 1220)):
+        rows = [json.loads(x) for x in assets.suite_data(name).read_text().splitlines()]
+        assert len(rows) == want
+        assert all(0 <= r["label"] < len(r["choices"]) for r in rows)
+    bb = [json.loads(x) for x in assets.suite_data("bigbench").read_text().splitlines()]
+    cats = [r["slices"]["category"] for r in bb[:12]]
+    assert len(set(cats[:6])) == 6 and cats[:6] == cats[6:12]  # interleaved: first N cover every task
+    bf = [json.loads(x) for x in assets.suite_data("bfcl").read_text().splitlines()]
+    assert {r["slices"]["category"] for r in bf[:3]} == {"simple", "multiple", "irrelevance"}
+    assert all((r["ground_truth"] is None) == (r["slices"]["category"] == "irrelevance") for r in bf)
+    asd = [json.loads(x) for x in assets.suite_data("asdiv").read_text().splitlines()]
+    assert asd[0]["answer"] == "9" and all(U.extract_number(r["answer"]) is not None for r in asd)
+
+
+def test_bucket_edges():
+    assert suites.bucket(0) == "0-31 tok" and suites.bucket(31) == "0-31 tok"
+    assert suites.bucket(32) == "32-63 tok" and suites.bucket(4096) == ">=4096 tok"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(assets.builtin_model("smollm2-135m-instruct"))
+
+
+def test_needle_items_have_exact_haystacks_and_the_needle(tok):
+    rows = suites.needle_rows(tok, (128, 256), (0.0, 0.5, 1.0), 2)
+    assert len(rows) == 12
+    for r in rows:
+        assert f"is {r['needle_answer']}." in r["prompt"] and r["prompt"].startswith("<|im_start|>")
+        n = len(tok(r["prompt"], add_special_tokens=False)["input_ids"])
+        assert r["context_tokens"] + 20 < n < r["context_tokens"] + 90  # haystack + needle + question + template
+    deep = next(r for r in rows if r["depth"] == 1.0 and r["context_tokens"] == 256)
+    assert deep["prompt"].index("secret code word for") > len(deep["prompt"]) * 0.6
+    assert {r["slices"]["depth"] for r in rows} == {"0%", "50%", "100%"}
+
+
+def test_render_cuts_data_and_fills_path(tmp_path, tok):
+    r = Recipe.model_validate({"schema_version": 1, "name": "x", "model": {"builtin": "smollm2-135m-instruct"},
+                               "variants": [{"name": "v", "scheme": "w8a8_int8"}],
+                               "quality": {"suites": ["asdiv", "piqa"], "limits": {"asdiv": 7}}})
+    s = suites.resolve(["asdiv"])[0]
+    y = suites.render(s, tmp_path, tok, r.quality, r.quality.limit_of("asdiv"))
+    cfg = suites.read_task_yaml(y)
+    data = cfg["dataset_kwargs"]["data_files"]["test"]
+    rows = [json.loads(x) for x in open(data)]
+    assert len(rows) == 7 and all(x["prompt"].startswith("<|im_start|>") for x in rows)
+    assert cfg["process_results"] == "!function qe_utils.process_asdiv" and (tmp_path / "qe_utils.py").exists()
+    assert r.quality.limit_of("piqa") == 200
+
+
+def base_recipe(**quality):
+    return {"schema_version": 1, "name": "x", "model": {"builtin": "smollm2-135m-instruct"},
+            "variants": [{"name": "v", "scheme": "w8a8_int8"}], "quality": quality}
+
+
+@pytest.mark.parametrize("quality,gates,expect", [
+    ({"suites": ["piqa", "piqa"]}, [], "listed twice"),
+    ({"suites": ["piqa"], "limits": {"siqa": 3}}, [], "limits: 'siqa' is not one of"),
+    ({"suites": ["needle"], "needle": {"context_tokens": [4000]}}, [], "quality.needle.context_tokens"),
+    ({"suites": ["needle"], "needle": {"depths": [1.5]}}, [], "quality.needle.depths"),
+    ({"suites": ["piqa"]}, [{"metric": "kl_divergence", "op": "<=", "threshold": 0.1}], "needs the drift suite"),
+    ({"suites": ["drift"]}, [{"metric": "accuracy_delta", "op": ">=", "threshold": -0.1}], "needs a scored suite"),
+    ({"suites": ["piqa"]}, [{"metric": "accuracy_delta", "scope": "bigbench/category=navigate", "op": ">=",
+                             "threshold": -0.1}], "gates.0.scope"),
+    ({"suites": ["missing-task.yaml"]}, [], "quality.suites.0: missing-task.yaml: task YAML not found"),
+])
+def test_bad_quality_settings_name_the_field(tmp_path, quality, gates, expect):
+    d = base_recipe(**quality)
+    d["gates"] = gates
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(d))
+    with pytest.raises(RecipeError) as exc:
+        load(p)
+    assert expect in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_user_task_yaml_is_checked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "group.yaml").write_text("group: mine\ntask: [a, b]\n")
+    (tmp_path / "inc.yaml").write_text("task: mine\ninclude: base.yaml\n")
+    (tmp_path / "ok.yaml").write_text("task: mine\noutput_type: multiple_choice\n"
+                                      "process_results: !function utils.f\n")
+    for f, msg in (("group.yaml", "no `task:` name"), ("inc.yaml", "`include:`")):
+        p = tmp_path / "r.yaml"
+        p.write_text(yaml.safe_dump(base_recipe(suites=[f])))
+        with pytest.raises(RecipeError, match=msg):
+            load(p)
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump({**base_recipe(suites=["piqa", "ok.yaml"]),
+                                 "gates": [{"metric": "accuracy", "scope": "mine", "op": ">=", "threshold": 0}]}))
+    assert load(p).quality.suites == ("piqa", "ok.yaml")
+
+
+# --- KL from top-k logprobs ------------------------------------------------------------------
+
+def _logsoftmax(x):
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def _full_kl(p, q):
+    return float((np.exp(p) * (p - q)).sum())
+
+
+def _top(lp, k):
+    idx = np.argsort(-lp)[:k]
+    return [[int(i), float(lp[i])] for i in idx]
+
+
+def test_kl_exact_with_full_vocabulary_and_a_lower_bound_with_top_k():
+    rng = np.random.default_rng(0)
+    V = 64
+    for _ in range(50):
+        base = _logsoftmax(rng.normal(0, 3, V))
+        var = _logsoftmax(np.log(np.exp(base)) + rng.normal(0, 0.3, V))
+        actual = int(rng.integers(V))
+        ref = _full_kl(base, var)
+        full = drift.kl_position(_top(base, V), _top(var, V), (actual, base[actual]), (actual, var[actual]))
+        assert full == pytest.approx(ref, rel=1e-6, abs=1e-9)
+        for k in (1, 5, 20):
+            part = drift.kl_position(_top(base, k), _top(var, k), (actual, base[actual]), (actual, var[actual]))
+            assert 0 <= part <= ref + 1e-9
+
+
+def test_drift_compare_joins_positions_and_summarizes():
+    rng = np.random.default_rng(1)
+    V, n = 32, 17
+
+    def window(lps, ids):
+        return {"ids": ids, "actual": [float(lps[i][ids[i + 1]]) for i in range(n - 1)],
+                "top": [_top(lps[i], V) for i in range(n - 1)]}
+
+    bw, vw, refs, agree = [], [], [], 0
+    for _ in range(3):
+        ids = [int(x) for x in rng.integers(0, V, n)]
+        b = [_logsoftmax(rng.normal(0, 2, V)) for _ in range(n - 1)]
+        v = [_logsoftmax(x + rng.normal(0, 0.5, V)) for x in b]
+        bw.append(window(b, ids))
+        vw.append(window(v, ids))
+        refs += [_full_kl(x, y) for x, y in zip(b, v)]
+        agree += sum(int(np.argmax(x) == np.argmax(y)) for x, y in zip(b, v))
+    s = drift.summarize(drift.compare(bw, vw), samples=200)
+    assert s["kl_mean"] == pytest.approx(np.mean(refs), rel=1e-6)
+    assert s["top1_agreement"] == pytest.approx(agree / len(refs))
+    assert s["kl_ci_low"] <= s["kl_mean"] <= s["kl_ci_high"] and s["tokens"] == 48
+    nll_b = -sum(sum(w["actual"]) for w in bw) / 48
+    assert s["ppl_base"] == pytest.approx(math.exp(nll_b))
+    same = drift.summarize(drift.compare(bw, bw), samples=200)
+    assert same["kl_mean"] == pytest.approx(0, abs=1e-9) and same["top1_agreement"] == 1 and same["ppl_ratio"] == 1
+    vw[1]["ids"] = vw[1]["ids"][::-1]
+    with pytest.raises(ValueError, match="window"):
+        drift.compare(bw, vw)
+
+
+def test_drift_windows_from_the_end():
+    ids = list(range(100))
+    w = drift.windows_from_ids(ids, 3, 30)
+    assert w == [ids[10:40], ids[40:70], ids[70:100]]
+    with pytest.raises(ValueError, match="too few"):
+        drift.windows_from_ids(ids, 4, 30)
