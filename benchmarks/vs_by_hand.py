@@ -39,10 +39,9 @@ from benchmarks.engine_env import reexec_under_engine_env  # noqa: E402
 
 reexec_under_engine_env(__file__)
 
-from pipeline import assets, envs, provenance  # noqa: E402
+from pipeline import assets, envs, provenance, suites  # noqa: E402
 from pipeline.engines.quantize_worker import build_recipe  # noqa: E402
 from pipeline.engines.server import free_port  # noqa: E402
-from pipeline.stages.evaluate import render_tasks  # noqa: E402
 
 QUANTIZE_SCRIPT = """import json, sys
 from datasets import Dataset
@@ -154,7 +153,7 @@ def by_hand(scheme: str, items: int, work: Path) -> tuple[float, int]:
     engine_py, quant_py = envs.ensure("engine"), envs.ensure("quantize")
     model = assets.builtin_model("smollm2-135m-instruct")
     tasks = work / "tasks"
-    render_tasks(("piqa",), tasks)
+    suites.render(suites.resolve(["piqa"])[0], tasks, None, None, None)  # all items; lm-eval's limit cuts
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     import yaml

@@ -128,7 +128,7 @@ def _same(value, allowed) -> bool:
         return isinstance(value, (str, int, float)) and str(value).strip().lower() == allowed.strip().lower()
     if isinstance(allowed, list):
         return isinstance(value, (list, tuple)) and len(value) == len(allowed) and all(
-            _same(a, b) for a, b in zip(value, allowed))
+            _same(a, b) for a, b in zip(value, allowed, strict=True))
     if isinstance(allowed, dict):
         return isinstance(value, dict) and set(value) == set(allowed) and all(
             _same(value[k], allowed[k]) for k in allowed)

@@ -37,7 +37,10 @@ def run(tmp_path_factory):
                      {"name": "w8a8", "scheme": "w8a8_int8"},
                      {"name": "imported", "scheme": "import", "checkpoint": str(tmp / "tiny-gptq")},
                      {"name": "kvfp8", "scheme": "none", "kv_cache": "fp8"}],
-        "quality": {"suites": ["piqa", "siqa"], "limit": 12, "bootstrap_samples": 200},
+        "quality": {"suites": ["piqa", "siqa", "asdiv", "needle", "drift"], "limit": 12,
+                    "limits": {"asdiv": 4}, "bootstrap_samples": 200,
+                    "needle": {"context_tokens": [128], "depths": [0.0, 1.0], "per_cell": 1},
+                    "drift": {"windows": 2, "window_tokens": 64}},
         "workload": {"prompt_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
                      "warmup_requests": 1,
                      "matrix": [{"prompt_tokens": 32, "output_tokens": 8, "concurrency": 1},
@@ -85,7 +88,29 @@ def test_quality_numbers_are_real(run):
             assert sum(i["correct"] for i in items) == s["correct"]
             assert all(len(i["loglikelihoods"]) == len(i["choices"]) for i in items)
     paired = load(run, "signoff.json")["variants"][0]["paired"]
-    assert {p["slice"] for p in paired} == {"piqa", "siqa", "overall"}
+    names = {p["slice"] for p in paired}
+    assert {"piqa", "siqa", "asdiv", "needle", "overall", "needle/depth=0%", "needle/depth=100%"} <= names
+    assert all(p["mcnemar_p_holm"] is not None for p in paired if p["slice"] != "overall")
+
+
+def test_generative_suites_and_drift_are_scored(run):
+    """Generated answers carry a failure category; the needle items their slices; the drift suite
+    a perplexity per variant and a KL/top-1 comparison with the baseline in the sign-off."""
+    q = load(run, "awq", "quality.json")
+    a = q["suites"]["asdiv"]
+    assert a["kind"] == "gen" and a["n"] == 4 and sum(a["categories"].values()) == 4
+    rows = [json.loads(x) for x in (run["dir"] / "awq" / a["samples_file"]).read_text().splitlines()]
+    assert all(r["category"] in ("correct", "wrong", "malformed", "truncated", "refusal", "empty") for r in rows)
+    assert all(r["output_tokens"] <= 64 and "prompt_len" in r["slices"] for r in rows)
+    n = q["suites"]["needle"]
+    assert n["n"] == 2 and set(n["slices"]) >= {"depth=0%", "depth=100%", "context=128 tok"}
+    d = q["drift"]
+    assert d["tokens"] == 2 * 63 and d["perplexity"] > 1
+    dr = next(v for v in load(run, "signoff.json")["variants"] if v["variant"] == "awq")["drift"]
+    assert dr["tokens"] == 126 and dr["kl_mean"] > 0 and 0 <= dr["top1_agreement"] <= 1
+    assert dr["ppl_base"] == pytest.approx(load(run, "baseline", "quality.json")["drift"]["perplexity"], rel=1e-6)
+    html = (run["dir"] / "report.html").read_text()
+    assert "Token-level drift against the baseline" in html and "lower bound" in html
 
 
 def test_every_kind_of_variant_end_to_end(run):

@@ -79,9 +79,9 @@ def test_drift_kl_matches_full_vocabulary_reference(tmp_path):
             got[name, "full"] = drift.score_windows(srv.port, SERVED_NAME, windows, VOCAB)
             got[name, "top8"] = drift.score_windows(srv.port, SERVED_NAME, windows, 8)
     ref_b, ref_v = reference_logprobs(base, windows), reference_logprobs(var, windows)
-    kl = np.concatenate([(np.exp(b) * (b - v)).sum(-1) for b, v in zip(ref_b, ref_v)])
-    top1 = np.concatenate([b.argmax(-1) == v.argmax(-1) for b, v in zip(ref_b, ref_v)])
-    nll_b = -np.concatenate([b[np.arange(47), np.array(w[1:])] for b, w in zip(ref_b, windows)])
+    kl = np.concatenate([(np.exp(b) * (b - v)).sum(-1) for b, v in zip(ref_b, ref_v, strict=True)])
+    top1 = np.concatenate([b.argmax(-1) == v.argmax(-1) for b, v in zip(ref_b, ref_v, strict=True)])
+    nll_b = -np.concatenate([b[np.arange(47), np.array(w[1:])] for b, w in zip(ref_b, windows, strict=True)])
     assert kl.mean() > 1e-3, "the perturbation must move the distributions measurably"
 
     full = drift.summarize(drift.compare(got["base", "full"], got["var", "full"]), samples=200)

@@ -210,8 +210,8 @@ def test_drift_compare_joins_positions_and_summarizes():
         v = [_logsoftmax(x + rng.normal(0, 0.5, V)) for x in b]
         bw.append(window(b, ids))
         vw.append(window(v, ids))
-        refs += [_full_kl(x, y) for x, y in zip(b, v)]
-        agree += sum(int(np.argmax(x) == np.argmax(y)) for x, y in zip(b, v))
+        refs += [_full_kl(x, y) for x, y in zip(b, v, strict=True)]
+        agree += sum(int(np.argmax(x) == np.argmax(y)) for x, y in zip(b, v, strict=True))
     s = drift.summarize(drift.compare(bw, vw), samples=200)
     assert s["kl_mean"] == pytest.approx(np.mean(refs), rel=1e-6)
     assert s["top1_agreement"] == pytest.approx(agree / len(refs))
