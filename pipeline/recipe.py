@@ -248,6 +248,10 @@ class WorkloadSpec(Strict):
     cost_per_hour_usd: float | None = Field(None, ge=0, description="Hardware price, for $ per 1k requests.")
     matrix: tuple[CellSpec, ...] = Field(
         (), description="Further cells: prompt x output length x concurrency x prefix sharing.")
+    admission_probe: bool = Field(
+        False, description="Measure the admission knee: a fixed-length request shape sized so the KV pool "
+        "binds before max_num_seqs (when max_model_len allows), predicted admission + 2 sent at once, the "
+        "engine's running/waiting/preemption gauges polled. Costs one pool-filling batch per variant.")
     memory_bandwidth_gbps: float | None = Field(
         None, gt=0, description="For the decode roofline; null = measured on the host (numpy copy, "
         "one thread) on CPU. Set it on GPUs (e.g. 4800 for an H200).")

@@ -95,6 +95,27 @@ class Percentiles(Model):
     p99: float | None
 
 
+class AdmissionProbe(Model):
+    """The measured knee: requests of one fixed shape all sent at once, the engine's own
+    scheduler gauges polled while they run."""
+
+    prompt_tokens: int
+    output_tokens: int
+    blocks_per_sequence: int
+    requests: int = Field(description="Sent at once: the predicted admission + 2.")
+    predicted: int = Field(description="min((KV blocks - 1 null block) // blocks per sequence, max_num_seqs).")
+    binding: str = Field(description="kv or max_num_seqs: which limit the prediction says binds first.")
+    max_running: int = Field(description="Most sequences the engine ran at once (vllm:num_requests_running).")
+    max_waiting: int = Field(description="Most requests queued at once (vllm:num_requests_waiting).")
+    preemptions: int = Field(description="Sequences preempted during the probe (vllm:num_preemptions_total).")
+    kv_usage_peak: float | None = Field(None, description="Peak vllm:kv_cache_usage_perc (0-1).")
+    empirical_tokens: int | None = Field(
+        None, description="KV tokens that can hold sequences, measured: blocks in use at the peak (max_running x "
+        "blocks per sequence) / the engine's peak usage gauge x block size; KV-bound probes without preemption.")
+    completed: int
+    note: str = ""
+
+
 class KVCapacity(Model):
     block_size: int | None
     num_blocks: int | None
@@ -106,8 +127,9 @@ class KVCapacity(Model):
     tokens_config: int | None = Field(None, description="Pool bytes / per-token bytes, whole blocks.")
     admission_sequences: int | None = Field(
         None, description="Sequences of the workload's prompt+output length admitted at once: "
-        "min(KV blocks / blocks per sequence, max_num_seqs).")
+        "min((KV blocks - 1 null block) // blocks per sequence, max_num_seqs).")
     admission_kv_only: int | None = Field(None, description="The KV-pool bound alone.")
+    probe: AdmissionProbe | None = Field(None, description="The measured admission knee, if the recipe asks.")
 
 
 class Latency(Model):
@@ -139,6 +161,8 @@ class Roofline(Model):
     bandwidth_gbps: float
     bandwidth_source: str
     bytes_per_step: int = Field(description="Weight bytes + KV bytes of the batch read per decode step.")
+    weight_bytes: int | None = None
+    weight_bytes_source: str = ""
     floor_tpot_ms: float
     measured_over_floor: float | None
 
@@ -147,6 +171,13 @@ class SystemsResult(StageResult):
     stage: Literal["systems"] = "systems"
     checkpoint_bytes: int | None = None
     peak_memory_bytes: int | None = Field(None, description="Peak RSS summed over the engine tree.")
+    weight_memory_bytes: int | None = Field(
+        None, description="Parameters + buffers the engine holds once its weights are loaded (engine dtype, "
+        "quantized tensors as stored), reported from inside the engine; None if it did not report.")
+    weight_memory: dict = Field(default_factory=dict, description="parameters, buffers, per device, and "
+                                "the same after kernel post-processing (CPU packs weights into opaque handles).")
+    device_memory_peak_bytes: int | None = Field(
+        None, description="GPU only: peak device memory of the engine's processes (nvidia-smi).")
     engine_start_s: float | None = None
     kv: KVCapacity | None = None
     workload: dict = Field(default_factory=dict)

@@ -191,7 +191,7 @@ def drift_section(data: dict) -> str:
 
 
 def systems_section(data: dict) -> str:
-    mem_rows, lat_rows, roof_rows, extra_rows = [], [], [], []
+    mem_rows, lat_rows, roof_rows, extra_rows, probe_rows = [], [], [], [], []
     for name, r in data["variants"].items():
         s = r["systems"]
         if not s:
@@ -199,18 +199,30 @@ def systems_section(data: dict) -> str:
         kv = s.get("kv") or {}
         if s.get("status") == "skipped":
             mem_rows.append([escape(name), mib(s.get("checkpoint_bytes")),
-                             f"<i>not measured: {escape(s.get('error') or '')}</i>"] + [""] * 8)
+                             f"<i>not measured: {escape(s.get('error') or '')}</i>"] + [""] * 9)
             continue
-        mem_rows.append([escape(name), mib(s.get("checkpoint_bytes")), mib(s.get("peak_memory_bytes")),
+        dev = s.get("device_memory_peak_bytes")
+        mem_rows.append([escape(name), mib(s.get("checkpoint_bytes")), mib(s.get("weight_memory_bytes")),
+                         mib(s.get("peak_memory_bytes")) + (f" (device {mib(dev)})" if dev else ""),
                          fmt(kv.get("tokens")), fmt(kv.get("tokens_config")), fmt(kv.get("num_blocks")),
                          fmt(kv.get("block_size")), fmt(kv.get("bytes_per_token_config")),
                          fmt(kv.get("max_concurrency"), 2),
                          f"{fmt(kv.get('admission_sequences'))} (KV alone {fmt(kv.get('admission_kv_only'))})",
                          fmt(s.get("engine_start_s"), 0)])
+        pr = kv.get("probe")
+        if pr:
+            probe_rows.append([escape(name), f"{pr['prompt_tokens']} + {pr['output_tokens']} "
+                               f"({pr['blocks_per_sequence']} blocks)", str(pr["requests"]),
+                               f"{pr['predicted']} ({escape(pr['binding'])} binds)", str(pr["max_running"]),
+                               str(pr["max_waiting"]), str(pr["preemptions"]),
+                               fmt(pr["kv_usage_peak"], pct=True) if pr.get("kv_usage_peak") is not None else "–",
+                               f"{fmt(kv.get('tokens'))} / {fmt(kv.get('tokens_config'))} / "
+                               f"{fmt(pr.get('empirical_tokens'))}", escape(pr["note"])])
         lat = s.get("latency")
         roof = s.get("roofline")
         if roof:
             roof_rows.append([escape(name), f"{roof['bytes_per_step'] / 2**20:,.1f} MiB",
+                              escape(roof.get("weight_bytes_source") or "checkpoint bytes"),
                               f"{roof['bandwidth_gbps']:.1f} GB/s", escape(roof["bandwidth_source"]),
                               fmt(roof["floor_tpot_ms"], 1), fmt(lat["tpot_ms"]["p50"], 1) if lat else "–",
                               f"{fmt(roof['measured_over_floor'], 1)}×"])
@@ -233,13 +245,25 @@ def systems_section(data: dict) -> str:
     return ("<h2>Memory and capacity</h2><p class='small muted'>KV tokens: engine's own figure "
             "(blocks × block size) beside the config arithmetic (pool bytes ÷ 2·layers·kv_heads·head_dim·"
             "bytes, whole blocks). Admission: sequences of the workload's prompt+output length that fit "
-            "at once, capped by engine.max_num_seqs. Peak memory: RSS summed over the engine's process tree, "
+            "at once, capped by engine.max_num_seqs. Weights loaded: parameters + buffers the engine holds "
+            "once the model is loaded, reported from inside it (engine dtype; quantized tensors as stored). "
+            "Peak memory: RSS summed over the engine's process tree (GPU: plus device memory), "
             "sampled every 0.25 s "
             "(approximate: a shorter spike can be missed).</p>"
-            + table(["variant", "checkpoint", "peak memory", "KV tokens (engine)", "KV tokens (config)",
-                     "blocks", "block", "KV bytes/token", "max conc. @max_len",
+            + table(["variant", "checkpoint", "weights loaded", "peak memory", "KV tokens (engine)",
+                     "KV tokens (config)", "blocks", "block", "KV bytes/token", "max conc. @max_len",
                      "admission @workload (≤ max_num_seqs)",
                      "engine start s"], mem_rows)
+            + ("<h3>Admission knee, measured</h3><p class='small muted'>A request shape filling whole KV "
+               "blocks, sized so the KV pool binds before max_num_seqs where max_model_len allows; predicted "
+               "admission + 2 requests sent at once while the engine's gauges (running, waiting, preemptions, "
+               "KV usage) are polled every 0.1 s. KV tokens three ways: engine (blocks × block) / config "
+               "arithmetic / empirical (most sequences held at once × their blocks; KV-bound probes "
+               "without preemption only). Admission is whole sequences, so the empirical figure sits up to "
+               "one sequence below the pool; the note says what the rest is.</p>"
+               + table(["variant", "shape (prompt + output)", "sent", "predicted", "max running", "max waiting",
+                        "preemptions", "peak KV usage", "KV tokens engine / config / empirical", "note"],
+                       probe_rows, last_left=True) if probe_rows else "")
             + f"<h2>Latency at fixed concurrency</h2><p class='small muted'>{escape(cell)}. {escape(timers)} "
               "One run per variant: differences under ~10–15% are within run-to-run noise here.</p>"
             + table(["variant", "TTFT ms p50/p95/p99", "TPOT ms p50/p95/p99", "ITL ms p50/p95/p99",
@@ -249,7 +273,7 @@ def systems_section(data: dict) -> str:
             + ("<h2>Decode roofline</h2><p class='small muted'>Floor TPOT = bytes read per decode step "
                "(all weights once + the batch's KV cache at its mean context) ÷ memory bandwidth. An "
                "approximation that ignores activations and caches; the ratio says how far decode is from "
-               "the memory wall.</p>" + table(["variant", "bytes / step", "bandwidth", "source",
+               "the memory wall.</p>" + table(["variant", "bytes / step", "weights from", "bandwidth", "source",
                                                 "floor TPOT ms", "p50 TPOT ms", "measured / floor"], roof_rows)
                if roof_rows else ""))
 

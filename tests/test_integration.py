@@ -152,8 +152,11 @@ def test_kv_capacity_matches_engine_and_config(run):
     assert abs(kv["tokens_config"] - kv["tokens"]) <= kv["block_size"]
     log = (run["dir"] / "baseline" / "engine.log").read_text()
     assert f"KV cache size: {kv['tokens']:,} tokens" in log
-    # 40-token sequences fit one block each; the engine admits at most max_num_seqs (8) at once
-    assert kv["admission_kv_only"] == kv["num_blocks"] and kv["admission_sequences"] == 8
+    # 40-token sequences fit one block each (one block is vLLM's null block); the engine admits
+    # at most max_num_seqs (8) at once
+    assert kv["admission_kv_only"] == kv["num_blocks"] - 1 and kv["admission_sequences"] == 8
+    assert s["weight_memory_bytes"] > 0 and s["weight_memory"]["parameters"] % 4 == 0
+    assert s["roofline"]["weight_bytes"] == s["weight_memory"]["parameters"]
     lat = s["latency"]
     assert lat["completed"] == 4 and lat["failed"] == 0 and lat["timed_out"] == 0
     assert lat["output_tokens"] == 4 * 8

@@ -68,7 +68,9 @@ def one_request(port: int, model: str, prompt: list[int], max_tokens: int, timeo
             now = time.perf_counter()
             if chunk.get("usage"):
                 rec.output_tokens = chunk["usage"]["completion_tokens"]
-            if any(c.get("text") for c in chunk.get("choices", [])):
+            # a token event: a chunk with a choice, even one whose text is empty (a special or an
+            # incomplete multi-byte token decodes to ""); the final usage-only chunk has no choices
+            if any("text" in c for c in chunk.get("choices", [])):
                 if last is None:
                     rec.ttft = now - t0
                 else:

@@ -87,8 +87,26 @@ class MemorySampler:
     root_pid: int
     interval: float = 0.25
     peak_tree_rss: int = 0
+    peak_device: int = 0  # GPU: device memory of the tree's processes (nvidia-smi), else 0
     hwm: dict[int, int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _gpu: bool = field(default_factory=lambda: envs.has_nvidia_gpu())
+    _ticks: int = 0
+
+    def _device_bytes(self, pids: set[int]) -> int:
+        """Device memory nvidia-smi attributes to these processes (MiB resolution)."""
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                 timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return 0
+        total = 0
+        for line in out.splitlines():
+            parts = [x.strip() for x in line.split(",")]
+            if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in pids and parts[1].isdigit():
+                total += int(parts[1]) * 2**20
+        return total
 
     def _sample(self) -> None:
         try:
@@ -107,6 +125,9 @@ class MemorySampler:
             except (psutil.NoSuchProcess, OSError):
                 continue
         self.peak_tree_rss = max(self.peak_tree_rss, total)
+        self._ticks += 1
+        if self._gpu and self._ticks % 4 == 1:  # once a second: nvidia-smi itself takes ~50 ms
+            self.peak_device = max(self.peak_device, self._device_bytes({p.pid for p in procs}))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -169,7 +190,8 @@ class Server:
         log = open(self.log_path, "w")
         t0 = self._t_started = time.perf_counter()
         root = Path(__file__).resolve().parent.parent.parent
-        env = {**engine_env(self.engine), "PYTHONPATH": str(root)}
+        hooks = Path(__file__).resolve().parent / "hooks"  # sitecustomize: reports loaded weight bytes
+        env = {**engine_env(self.engine), "PYTHONPATH": f"{hooks}{os.pathsep}{root}"}
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         log.close()
@@ -244,6 +266,21 @@ class Server:
         except (ProcessLookupError, PermissionError):
             pass
         self.pgid_file.unlink(missing_ok=True)
+
+    def loaded_weights(self) -> dict | None:
+        """Bytes of parameters and buffers the engine holds once its model is loaded (the
+        QE-WEIGHTS line of hooks/sitecustomize.py), or None if the engine did not report them."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return None
+        found = [ln.split("QE-WEIGHTS ", 1)[1] for ln in lines if "QE-WEIGHTS " in ln]
+        if not found:
+            return None
+        try:
+            return json.loads(found[-1])
+        except ValueError:
+            return None
 
     def cache_config(self) -> dict:
         """The engine's own KV-cache figures from the vllm:cache_config_info gauge."""

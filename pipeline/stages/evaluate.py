@@ -18,6 +18,7 @@ from pipeline import assets, drift, stats, suites
 from pipeline.engines import loadgen
 from pipeline.engines.server import SERVED_NAME, Server
 from pipeline.results import (
+    AdmissionProbe,
     CellResult,
     DriftQuality,
     KVCapacity,
@@ -232,14 +233,107 @@ def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, wo
     seq_len = workload.prompt_tokens + workload.output_tokens
     tokens = blocks * block if blocks and block else None
     admission = kv_only = None
-    if blocks and block:
-        kv_only = blocks // math.ceil(seq_len / block)
+    if blocks and block:  # vLLM keeps one block as its null block: blocks - 1 hold sequences
+        kv_only = (blocks - 1) // math.ceil(seq_len / block)
         admission = min(kv_only, engine.max_num_seqs)
     mc = cache.get("kv_cache_max_concurrency")
     return KVCapacity(block_size=block, num_blocks=blocks, tokens=tokens,
                       max_concurrency=float(mc) if mc not in (None, "None") else None,
                       bytes_per_token_config=per_token, pool_bytes_config=pool,
                       tokens_config=tokens_cfg, admission_sequences=admission, admission_kv_only=kv_only)
+
+
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+          "vllm:num_preemptions_total")
+
+
+def read_gauges(base_url: str) -> dict[str, float]:
+    """The scheduler's gauges from /metrics (summed over label sets)."""
+    import urllib.request
+
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = dict.fromkeys(GAUGES, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            try:
+                out[name] += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return out
+
+
+def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity, timeout: float,
+                    poll_s: float = 0.1) -> AdmissionProbe | None:
+    """Ramp to the knee in one step: a sequence shape that fills whole KV blocks, long enough that
+    the KV pool binds before max_num_seqs when max_model_len allows; predicted admission + 2
+    requests sent at once; running / waiting / preemptions / KV usage polled from the engine."""
+    import threading
+
+    if not (kv.num_blocks and kv.block_size):
+        return None
+    block, usable = kv.block_size, kv.num_blocks - 1  # vLLM's block pool keeps one as its null block
+    output = 16
+    bps = max(1, -(-(usable + 1) // engine.max_num_seqs))  # fewest blocks/sequence for KV to bind
+    max_bps = engine.max_model_len // block
+    binding = "kv"
+    if bps > max_bps or bps * block - output < 16:
+        bps, binding = max(1, max_bps), "max_num_seqs"  # the pool outlasts max_num_seqs full sequences
+    prompt = bps * block - output
+    kv_only = usable // bps
+    predicted = min(kv_only, engine.max_num_seqs)
+    if binding == "kv" and kv_only >= engine.max_num_seqs:
+        binding = "max_num_seqs"
+    n = predicted + 2
+    peak = {k: 0.0 for k in GAUGES}
+    start = read_gauges(server.base_url)
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            try:
+                g = read_gauges(server.base_url)
+            except OSError:
+                continue
+            for k in GAUGES:
+                peak[k] = max(peak[k], g[k])
+            done.wait(poll_s)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    try:
+        recs, _ = loadgen.run_closed_loop(server.port, SERVED_NAME, stream.take(n, prompt), output, n, timeout)
+    finally:
+        done.set()
+        t.join()
+    end = read_gauges(server.base_url)
+    preempted = int(end["vllm:num_preemptions_total"] - start["vllm:num_preemptions_total"])
+    running = int(peak["vllm:num_requests_running"])
+    usage = peak["vllm:kv_cache_usage_perc"]
+    empirical = None
+    if binding == "kv" and preempted == 0 and usage > 0:
+        # blocks in use at the peak (sequences x their blocks) over the engine's usage gauge: the
+        # blocks that can hold sequences, without reading the engine's block count
+        empirical = round(running * bps / usage) * block
+    if preempted:
+        note = (f"the engine admitted {running} and preempted {preempted} time(s): chunked prefill allocates "
+                "blocks as a prompt is computed, so more sequences start than can finish together")
+    elif running == predicted:
+        left = usable - kv_only * bps
+        note = ("as predicted; of the engine's " + f"{kv.num_blocks} blocks one is vLLM's null block (never "
+                "holds tokens)" + (f", and {left} block(s) left after whole sequences are too few for one more"
+                                   if binding == "kv" and left else ""))
+    else:
+        note = f"observed {running} running vs {predicted} predicted"
+    errors = sorted({r.error[:160] for r in recs if not r.ok})
+    if errors:
+        note += f"; {len(recs) - sum(r.ok for r in recs)} request(s) failed: " + " | ".join(errors)
+    return AdmissionProbe(prompt_tokens=prompt, output_tokens=output, blocks_per_sequence=bps, requests=n,
+                          predicted=predicted, binding=binding, max_running=running,
+                          max_waiting=int(peak["vllm:num_requests_waiting"]), preemptions=preempted,
+                          kv_usage_peak=usage or None, empirical_tokens=empirical,
+                          completed=sum(r.ok for r in recs), note=note)
 
 
 def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_hash: str,
@@ -259,6 +353,8 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
         server, stream, w, c.prompt_tokens, c.output_tokens, c.concurrency, c.prefix))) for c in w.matrix]
     cache = server.cache_config()
     kv = kv_capacity(cache, model_dir, recipe.engine, kv_bytes_per_elem, w)
+    if w.admission_probe:
+        kv.probe = admission_probe(server, stream, recipe.engine, kv, w.request_timeout_s)
     error = None
     if server.proc.poll() is not None:
         error = f"engine exited (code {server.proc.returncode}) during the workload"
@@ -304,7 +400,8 @@ def measure_cell(server: Server, stream: PromptStream, w, prompt_tokens: int, ou
     return latency
 
 
-def roofline(weights: int, kv: KVCapacity, w, tpot_p50_ms: float | None) -> Roofline | None:
+def roofline(weights: int, kv: KVCapacity, w, tpot_p50_ms: float | None,
+             weights_source: str = "checkpoint bytes, dense ones scaled to the engine dtype") -> Roofline | None:
     """Decode is bandwidth bound: each step reads every weight once (as loaded) plus the batch's
     KV cache. Floor TPOT = bytes per step / bandwidth. Approximate: ignores activations, caches."""
     if not kv.bytes_per_token_config:
@@ -317,6 +414,7 @@ def roofline(weights: int, kv: KVCapacity, w, tpot_p50_ms: float | None) -> Roof
     step = int(weights + w.concurrency * mean_ctx * kv.bytes_per_token_config)
     floor_ms = step / (bw * 1e9) * 1000
     return Roofline(bandwidth_gbps=bw, bandwidth_source=src, bytes_per_step=step, floor_tpot_ms=floor_ms,
+                    weight_bytes=weights, weight_bytes_source=weights_source,
                     measured_over_floor=tpot_p50_ms / floor_ms if tpot_p50_ms else None)
 
 
@@ -362,6 +460,20 @@ def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
         server.stop()
         if systems is not None:
             systems.peak_memory_bytes = server.memory.peak_tree_rss
+            systems.device_memory_peak_bytes = server.memory.peak_device or None
+            loaded = server.loaded_weights()
+            if loaded:
+                systems.weight_memory = loaded
+                systems.weight_memory_bytes = loaded["parameters"] + loaded["buffers"]
+                r = systems.roofline
+                if r and r.weight_bytes is not None:  # the floor from the bytes the engine really holds
+                    step = loaded["parameters"] + (r.bytes_per_step - r.weight_bytes)
+                    floor = step / (r.bandwidth_gbps * 1e9) * 1000
+                    tpot = systems.latency.tpot_ms.p50 if systems.latency else None
+                    systems.roofline = r.model_copy(update={
+                        "bytes_per_step": step, "floor_tpot_ms": floor, "weight_bytes": loaded["parameters"],
+                        "weight_bytes_source": "parameters as loaded (reported by the engine)",
+                        "measured_over_floor": tpot / floor if tpot else None})
             write_json(vdir / "systems.json", systems)
             lat = systems.latency
             log(f"systems: TTFT p50 {lat.ttft_ms.p50:.0f} ms, TPOT p50 {lat.tpot_ms.p50:.1f} ms, "

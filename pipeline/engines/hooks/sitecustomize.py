@@ -1,0 +1,87 @@
+"""Loaded by every Python process of the engine tree (this folder leads its PYTHONPATH).
+
+It reports the weight memory the engine holds once the model is loaded: when vLLM's model
+loader has filled the weights (in the engine's dtype, quantized tensors as stored) and is about
+to post-process them, the bytes of the model's parameters and buffers, per device, go to the
+engine log as one line
+
+    QE-WEIGHTS {"parameters": N, "buffers": M, "devices": {"cpu": N+M}, "after_postprocess": {...}}
+
+After post-processing, CPU kernels hold weights in oneDNN/packed handles that are no longer
+tensors, so "after_postprocess" can undercount there; the figure used is the first one.
+which `pipeline/engines/server.py` reads. vLLM 0.32 on CPU logs no "Model loading took"
+figure. Nothing is imported until vLLM imports that module itself; if its layout changes the
+hook stays silent and the report says the figure was not measured.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import sys
+
+TARGET = "vllm.model_executor.model_loader.base_loader"
+
+
+def _bytes(model) -> dict:
+    params = bufs = 0
+    devices: dict[str, int] = {}
+    seen = set()
+    for kind, tensors in (("p", model.parameters()), ("b", model.buffers())):
+        for t in tensors:
+            if id(t) in seen:  # tied weights count once
+                continue
+            seen.add(id(t))
+            n = t.numel() * t.element_size()
+            if kind == "p":
+                params += n
+            else:
+                bufs += n
+            devices[str(t.device)] = devices.get(str(t.device), 0) + n
+    return {"parameters": params, "buffers": bufs, "devices": devices}
+
+
+def _patch(module) -> None:
+    """Count the model's tensors when its weights are loaded, just before vLLM post-processes them
+    into kernel layouts (on CPU, oneDNN / packed handles that no longer show as tensors), and
+    again after."""
+    original = getattr(module, "process_weights_after_loading", None)
+    if original is None:
+        return
+
+    def process_weights_after_loading(model, *args, **kwargs):
+        before = None
+        try:
+            before = _bytes(model)
+        except Exception:  # noqa: BLE001 - a report line must never break the engine
+            pass
+        out = original(model, *args, **kwargs)
+        try:
+            line = {**before, "after_postprocess": _bytes(model)}
+            print("QE-WEIGHTS " + json.dumps(line), file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001
+            pass
+        return out
+
+    module.process_weights_after_loading = process_weights_after_loading
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+sys.meta_path.insert(0, _Finder())

