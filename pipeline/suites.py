@@ -100,9 +100,16 @@ def definition_hash(suite: Suite) -> str:
         h.update(suite.yaml_path.read_bytes())
     if suite.kind in ("gen", "drift"):
         h.update((EVALSUITES / "qe_utils.py").read_bytes())
+    if suite.kind in ("gen", "drift"):  # prompts (chat template, BFCL system text, haystacks) are built here
+        h.update(Path(__file__).read_bytes())
     if suite.kind == "user":
         for py in sorted(suite.yaml_path.parent.glob("*.py")):
             h.update(py.name.encode() + py.read_bytes())
+        files = (read_task_yaml(suite.yaml_path).get("dataset_kwargs") or {}).get("data_files") or {}
+        for f in sorted(files.values() if isinstance(files, dict) else [files], key=str):
+            for one in f if isinstance(f, list) else [f]:
+                if isinstance(one, str) and Path(one).is_file():  # local data: its bytes are the items
+                    h.update(Path(one).read_bytes())
     if suite.kind in ("mc", "gen") and suite.name in assets.DATA_SOURCES:
         h.update(assets.data_version(suite.name).encode())
     if suite.name in ("needle", "drift"):
@@ -142,7 +149,7 @@ BFCL_SYSTEM = ("You can call these functions (JSON schema):\n{functions}\n\nIf o
 
 def _bfcl_prompts(rows: list[dict], tok) -> list[dict]:
     for r in rows:
-        r["prompt"] = chat(tok, BFCL_SYSTEM.format(functions=json.dumps(r["functions"])), r["question"])
+        r["prompt"] = chat(tok, BFCL_SYSTEM.format(functions=r["functions_json"]), r["question"])
     return rows
 
 
@@ -159,9 +166,9 @@ def needle_rows(tok, context_tokens: tuple[int, ...], depths: tuple[float, ...],
     ids = tok(text, add_special_tokens=False)["input_ids"]
     rng = random.Random(0)
     rows, offset = [], 0
-    for length in context_tokens:
-        for depth in depths:
-            for k in range(per_cell):
+    for _ in range(per_cell):  # cell by cell, so a limit keeps every length and depth
+        for length in context_tokens:
+            for depth in depths:
                 if offset + length > len(ids):
                     offset = 0
                 hay = tok.decode(ids[offset:offset + length])
@@ -169,7 +176,7 @@ def needle_rows(tok, context_tokens: tuple[int, ...], depths: tuple[float, ...],
                 cut = int(len(hay) * depth)
                 dot = hay.rfind(". ", 0, cut)
                 cut = 0 if depth == 0 or dot < 0 else dot + 2
-                city, word = CITIES[(len(rows) + k) % len(CITIES)], rng.choice(WORDS)
+                city, word = CITIES[len(rows) % len(CITIES)], rng.choice(WORDS)
                 needle = f"The secret code word for {city} is {word}."
                 body = hay[:cut] + needle + " " + hay[cut:]
                 question = f"What is the secret code word for {city}? Reply with the word only."
@@ -182,10 +189,12 @@ def needle_rows(tok, context_tokens: tuple[int, ...], depths: tuple[float, ...],
 def render(suite: Suite, out_dir: Path, tok, quality, limit: int | None) -> Path:
     """The suite's task YAML in the run's task folder, its data file cut to `limit` items."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    if suite.kind == "user":
+    if suite.kind == "user":  # its own folder: two tasks' utils.py must not overwrite each other
+        own = out_dir / f"user-{suite.name}"
+        own.mkdir(parents=True, exist_ok=True)
         for f in suite.yaml_path.parent.glob("*.py"):  # !function helpers sit beside the YAML
-            atomic_write_text(out_dir / f.name, f.read_text())
-        target = out_dir / f"{suite.name}.yaml"
+            atomic_write_text(own / f.name, f.read_text())
+        target = own / f"{suite.name}.yaml"
         atomic_write_text(target, suite.yaml_path.read_text())
         return target
     if suite.name == "needle":
@@ -195,6 +204,8 @@ def render(suite: Suite, out_dir: Path, tok, quality, limit: int | None) -> Path
         with open(assets.suite_data(suite.name)) as f:
             rows = [json.loads(line) for line in f]
     rows = rows[:limit] if limit else rows
+    if not rows:
+        raise ValueError(f"suite {suite.name}: no items to score")
     if suite.name == "asdiv":
         rows = _asdiv_prompts(rows, tok)
     elif suite.name == "bfcl":

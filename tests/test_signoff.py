@@ -151,7 +151,8 @@ def test_slices_are_paired_and_holm_adjusted_across_all_of_them(tmp_path):
     flagged; Holm runs over every suite and slice; a gate can name one slice."""
     import json
 
-    r = recipe([{"metric": "accuracy_delta", "scope": "piqa/category=hard", "op": ">=", "threshold": -0.1}])
+    r = recipe([{"metric": "accuracy_delta", "scope": "piqa/category=hard", "op": ">=", "threshold": -0.1},
+                {"metric": "accuracy_delta", "scope": "piqa/prompt_len=0-31 tok", "op": ">=", "threshold": -0.9}])
     var = {"piqa": [0] * 30 + [1] * 30 + [1] * 8 + [0] * 32, "siqa": BASE["siqa"]}
     root = make_run(tmp_path / "run", r, BASE, var)
     for name in ("baseline", "v4"):
@@ -161,6 +162,11 @@ def test_slices_are_paired_and_holm_adjusted_across_all_of_them(tmp_path):
             x["slices"] = {"category": "hard" if x["doc_id"] < 30 else "easy", "prompt_len": "0-31 tok"}
             x["chance"] = 0.5
         path.write_text("".join(json.dumps(x) + "\n" for x in rows))
+        qpath = root / name / "quality.json"
+        q = json.loads(qpath.read_text())
+        q["suites"]["piqa"]["slices"] = {"prompt_len=0-31 tok": {"n": 100, "correct": 1, "accuracy": 0.01,
+                                                                 "ci_low": 0, "ci_high": 0.1, "chance": 0.5}}
+        qpath.write_text(json.dumps(q))
     so = signoff(r, "h", root, load_results(root))
     v = so.variants[0]
     by = {p.slice: p for p in v.paired}
@@ -174,3 +180,5 @@ def test_slices_are_paired_and_holm_adjusted_across_all_of_them(tmp_path):
     ps = sorted(p.mcnemar_p for p in family)
     assert min(p.mcnemar_p_holm for p in family) == pytest.approx(min(1, ps[0] * len(family)))
     assert v.gates[0].scope == "piqa/category=hard" and v.gates[0].outcome == "FAIL"
+    # a slice covering the whole suite is judged on the suite's row, not left unmeasured
+    assert v.gates[1].outcome == "PASS" and v.gates[1].measured.value == by["piqa"].delta

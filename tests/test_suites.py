@@ -20,7 +20,9 @@ U = suites.utils_module()
 @pytest.mark.parametrize("text,want", [
     ("The answer is 15.", 15.0), ("9 + 6 = 15\nThe answer is 15.\n\nThe answer", 15.0),
     ("She has 1,200 apples", 1200.0), ("x = -3.5 so", -3.5), ("no digits here", None),
-    ("First 3 then 4 then 12", 12.0), ("It costs $4.50.", 4.5)])
+    ("First 3 then 4 then 12", 12.0), ("It costs $4.50.", 4.5),
+    ("3 + 4 = 7, then 7 * 2 = 14. The answer is 14.", 14.0),
+    ("The answer is 7. No wait, the answer is 9.", 9.0)])
 def test_extract_number(text, want):
     assert U.extract_number(text) == want
 
@@ -41,6 +43,23 @@ TRUTH = {"calculate_triangle_area": {"base": [10], "height": [5], "unit": ["unit
 ])
 def test_bfcl_call_check(text, ok):
     assert U.bfcl_correct({"ground_truth": TRUTH}, text) is ok
+
+
+@pytest.mark.parametrize("text,want", [
+    ("(see the docs) then: area(base=3)", ("area", {"base": 3})),
+    ('{"name": "say", "arguments": {"s": "a \\"quoted\\" word"}}', ("say", {"s": 'a "quoted" word'})),
+    ("f(x={[1]: 2})", None),  # unhashable literal: no call, no crash
+    ("nothing callable here", None)])
+def test_parse_call_edge_cases(text, want):
+    assert U.parse_call(text) == want
+
+
+def test_bfcl_dict_arguments_follow_bfcl_allowed_lists():
+    truth = {"book": {"room": [{"type": ["suite"], "view": ["", "sea"]}], "nights": [2]}}
+    assert U.bfcl_correct({"ground_truth": truth}, 'book(room={"type": "suite"}, nights=2)')
+    assert U.bfcl_correct({"ground_truth": truth}, 'book(room={"type": "suite", "view": "sea"}, nights=2)')
+    assert not U.bfcl_correct({"ground_truth": truth}, 'book(room={"type": "suite", "view": "city"}, nights=2)')
+    assert not U.bfcl_correct({"ground_truth": truth}, 'book(room={"view": "sea"}, nights=2)')
 
 
 def test_bfcl_irrelevance_right_only_without_a_call():
@@ -78,7 +97,8 @@ def test_packaged_data_extracts_with_gold_labels():
     assert len(set(cats[:6])) == 6 and cats[:6] == cats[6:12]  # interleaved: first N cover every task
     bf = [json.loads(x) for x in assets.suite_data("bfcl").read_text().splitlines()]
     assert {r["slices"]["category"] for r in bf[:3]} == {"simple", "multiple", "irrelevance"}
-    assert all((r["ground_truth"] is None) == (r["slices"]["category"] == "irrelevance") for r in bf)
+    assert all((not r["ground_truth_json"]) == (r["slices"]["category"] == "irrelevance") for r in bf)
+    assert U.bfcl_correct(bf[0], "nonsense") is False and U.ground_truth(bf[0])  # strings decode
     asd = [json.loads(x) for x in assets.suite_data("asdiv").read_text().splitlines()]
     assert asd[0]["answer"] == "9" and all(U.extract_number(r["answer"]) is not None for r in asd)
 
@@ -105,6 +125,8 @@ def test_needle_items_have_exact_haystacks_and_the_needle(tok):
     deep = next(r for r in rows if r["depth"] == 1.0 and r["context_tokens"] == 256)
     assert deep["prompt"].index("secret code word for") > len(deep["prompt"]) * 0.6
     assert {r["slices"]["depth"] for r in rows} == {"0%", "50%", "100%"}
+    first = {(r["context_tokens"], r["depth"]) for r in rows[:6]}
+    assert len(first) == 6  # cell by cell: a limit of 6 keeps every length x depth
 
 
 def test_render_cuts_data_and_fills_path(tmp_path, tok):

@@ -274,13 +274,28 @@ class Server:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return None
-        found = [ln.split("QE-WEIGHTS ", 1)[1] for ln in lines if "QE-WEIGHTS " in ln]
-        if not found:
+        ranks: dict = {}
+        for ln in lines:
+            if "QE-WEIGHTS " in ln:
+                try:
+                    d = json.loads(ln.split("QE-WEIGHTS ", 1)[1])
+                except ValueError:
+                    continue
+                ranks[d.get("pid")] = d  # one line per worker process (tensor-parallel ranks)
+        if not ranks:
             return None
-        try:
-            return json.loads(found[-1])
-        except ValueError:
-            return None
+        # CPU kernels repack weights into handles that are not tensors: count before that there;
+        # elsewhere after post-processing (e.g. weights quantized while loading are smaller then)
+        out = {"parameters": 0, "buffers": 0, "devices": {}, "ranks": len(ranks)}
+        for d in ranks.values():
+            cpu = set(d.get("devices", {})) <= {"cpu"}
+            pick = d if cpu or "after_postprocess" not in d else d["after_postprocess"]
+            out["parameters"] += pick["parameters"]
+            out["buffers"] += pick["buffers"]
+            for dev, n in pick.get("devices", {}).items():
+                out["devices"][dev] = out["devices"].get(dev, 0) + n
+            out["counted"] = "before kernel post-processing" if cpu else "after kernel post-processing"
+        return out
 
     def cache_config(self) -> dict:
         """The engine's own KV-cache figures from the vllm:cache_config_info gauge."""

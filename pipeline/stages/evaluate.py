@@ -45,11 +45,12 @@ def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Pat
     q = recipe.quality
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
     refs = suites.resolve(q.suites)
+    limit = {r.name: q.limit_of(entry) for entry, r in zip(q.suites, refs, strict=True)}
     lm_refs = [r for r in refs if r.kind != "drift"]
     by_limit: dict[int | None, list] = {}
     for r in lm_refs:  # builtin data is cut when rendered; a user's task is cut by lm-eval's limit
-        suites.render(r, tasks_dir, tok, q, q.limit_of(r.name))
-        by_limit.setdefault(q.limit_of(r.name) if r.kind == "user" else None, []).append(r)
+        suites.render(r, tasks_dir, tok, q, limit[r.name])
+        by_limit.setdefault(limit[r.name] if r.kind == "user" else None, []).append(r)
     samples, configs = {}, {}
     if lm_refs:
         tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
@@ -79,7 +80,7 @@ def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Pat
                          duration_s=time.perf_counter() - t0, suites=results, drift=drift,
                          lm_eval_version=lm_eval.__version__,
                          settings={"backend": "local-completions (vLLM server, echo+logprobs)",
-                                   "limits": {r.name: q.limit_of(r.name) for r in lm_refs}, "num_fewshot": 0,
+                                   "limits": {r.name: limit[r.name] for r in lm_refs}, "num_fewshot": 0,
                                    "correct_metric": {"mc": CORRECT_METRIC, "gen": "acc (evalsuites/qe_utils.py)",
                                                       "user": "acc_norm if present, else the task's first metric"
                                                               " == 1"},
@@ -113,7 +114,11 @@ def score_items(suite, samples: list[dict], config: dict, tok, utils) -> tuple[l
         metric = "acc_norm" if "acc_norm" in names else (names[0] if names else "acc")
     gen = config.get("generation_kwargs") or {}
     max_gen = int(gen.get("max_gen_toks", 256))
+    seen = set()
     for s in samples:
+        if s["doc_id"] in seen:  # a task with several filters logs one sample per filter: keep the first
+            continue
+        seen.add(s["doc_id"])
         doc = s["doc"]
         context = _first(s["arguments"])
         n_prompt = len(tok(str(context), add_special_tokens=False)["input_ids"])
@@ -139,6 +144,8 @@ def score_items(suite, samples: list[dict], config: dict, tok, utils) -> tuple[l
                 row["question"] = doc.get("question") or doc.get("needle_answer", "")
         rows.append(row)
     rows.sort(key=lambda r: r["doc_id"])
+    if not rows:
+        raise ValueError(f"suite {suite.name}: lm-eval returned no items")
     return rows, metric
 
 
@@ -274,18 +281,17 @@ def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity
     if not (kv.num_blocks and kv.block_size):
         return None
     block, usable = kv.block_size, kv.num_blocks - 1  # vLLM's block pool keeps one as its null block
-    output = 16
+    # output shorter than a block: the prompt alone already needs every block of the sequence (the
+    # scheduler reserves blocks for the prompt), so admission is decided by whole sequences
+    output = max(2, min(16, block // 2))
     bps = max(1, -(-(usable + 1) // engine.max_num_seqs))  # fewest blocks/sequence for KV to bind
-    max_bps = engine.max_model_len // block
-    binding = "kv"
-    if bps > max_bps or bps * block - output < 16:
-        bps, binding = max(1, max_bps), "max_num_seqs"  # the pool outlasts max_num_seqs full sequences
+    bps = min(bps, max(1, engine.max_model_len // block))  # else the pool outlasts max_num_seqs sequences
     prompt = bps * block - output
     kv_only = usable // bps
     predicted = min(kv_only, engine.max_num_seqs)
-    if binding == "kv" and kv_only >= engine.max_num_seqs:
-        binding = "max_num_seqs"
+    binding = "kv" if kv_only < engine.max_num_seqs else "max_num_seqs"
     n = predicted + 2
+    prompts = stream.take(n, prompt)
     peak = {k: 0.0 for k in GAUGES}
     start = read_gauges(server.base_url)
     done = threading.Event()
@@ -295,6 +301,7 @@ def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity
             try:
                 g = read_gauges(server.base_url)
             except OSError:
+                done.wait(poll_s)
                 continue
             for k in GAUGES:
                 peak[k] = max(peak[k], g[k])
@@ -303,7 +310,7 @@ def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity
     t = threading.Thread(target=poll, daemon=True)
     t.start()
     try:
-        recs, _ = loadgen.run_closed_loop(server.port, SERVED_NAME, stream.take(n, prompt), output, n, timeout)
+        recs, _ = loadgen.run_closed_loop(server.port, SERVED_NAME, prompts, output, n, timeout)
     finally:
         done.set()
         t.join()
@@ -337,7 +344,7 @@ def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity
 
 
 def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_hash: str,
-                kv_bytes_per_elem: int, act_bytes: int) -> SystemsResult:
+                kv_bytes_per_elem: int, act_bytes: int, log=print) -> SystemsResult:
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
@@ -354,7 +361,10 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
     cache = server.cache_config()
     kv = kv_capacity(cache, model_dir, recipe.engine, kv_bytes_per_elem, w)
     if w.admission_probe:
-        kv.probe = admission_probe(server, stream, recipe.engine, kv, w.request_timeout_s)
+        try:
+            kv.probe = admission_probe(server, stream, recipe.engine, kv, w.request_timeout_s)
+        except (OSError, ValueError) as exc:  # an optional probe must not cost the measured cells
+            log(f"admission probe failed: {type(exc).__name__}: {exc}")
     error = None
     if server.proc.poll() is not None:
         error = f"engine exited (code {server.proc.returncode}) during the workload"
@@ -456,7 +466,7 @@ def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
                                         + ([f"drift PPL {quality.drift.perplexity:.2f} ({quality.drift.tokens} "
                                             "tokens)"] if quality.drift else [])))
         if need_systems:
-            systems = run_systems(server, model_dir, recipe, variant, need_systems, kv_bytes, act_bytes)
+            systems = run_systems(server, model_dir, recipe, variant, need_systems, kv_bytes, act_bytes, log)
         server.stop()
         if systems is not None:
             systems.peak_memory_bytes = server.memory.peak_tree_rss

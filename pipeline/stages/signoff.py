@@ -155,6 +155,11 @@ def quality_metric(name: str, scope: str, var_q: QualityResult, paired: list[Pai
         lo, hi = stats.wilson(k, n)
         return Measured(value=k / n if n else None, ci_low=lo, ci_high=hi)
     ps = next((p for p in paired if p.slice == scope), None)
+    if ps is None and "/" in scope:  # a slice covering its whole suite is reported as the suite row
+        suite, key = scope.split("/", 1)
+        st = var_q.suites[suite].slices.get(key) if suite in var_q.suites else None
+        if st is not None and st.n == var_q.suites[suite].n:
+            ps = next((p for p in paired if p.slice == suite), None)
     if ps is None:
         return Measured(value=None)
     return Measured(value=ps.delta, ci_low=ps.delta_ci_low, ci_high=ps.delta_ci_high)

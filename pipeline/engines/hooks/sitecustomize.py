@@ -58,7 +58,9 @@ def _patch(module) -> None:
             pass
         out = original(model, *args, **kwargs)
         try:
-            line = {**before, "after_postprocess": _bytes(model)}
+            import os
+
+            line = {**before, "after_postprocess": _bytes(model), "pid": os.getpid()}
             print("QE-WEIGHTS " + json.dumps(line), file=sys.stderr, flush=True)
         except Exception:  # noqa: BLE001
             pass
