@@ -51,15 +51,17 @@ def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Pat
     for r in lm_refs:  # builtin data is cut when rendered; a user's task is cut by lm-eval's limit
         suites.render(r, tasks_dir, tok, q, limit[r.name])
         by_limit.setdefault(limit[r.name] if r.kind == "user" else None, []).append(r)
-    samples, configs = {}, {}
+    samples, configs, timings = {}, {}, {}
     if lm_refs:
         tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
         model_args = lm_eval_model_args(server, model_dir, recipe)
-        for limit, group in by_limit.items():
+        for lim, group in by_limit.items():
+            t1 = time.perf_counter()
             out = lm_eval.simple_evaluate(
                 model="local-completions", model_args=model_args, tasks=[r.task for r in group],
-                task_manager=tm, limit=limit, log_samples=True, random_seed=0, numpy_random_seed=0,
+                task_manager=tm, limit=lim, log_samples=True, random_seed=0, numpy_random_seed=0,
                 torch_random_seed=0, fewshot_random_seed=0)
+            timings["lm_eval: " + ", ".join(r.name for r in group)] = round(time.perf_counter() - t1, 1)
             samples.update(out["samples"])
             configs.update(out["configs"])
     results = {}
@@ -75,7 +77,9 @@ def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Pat
                                         hashlib.sha256(text.encode()).hexdigest())
     drift = None
     if any(r.kind == "drift" for r in refs):
+        t1 = time.perf_counter()
         drift = run_drift(server, tok, q.drift, vdir)
+        timings["drift"] = round(time.perf_counter() - t1, 1)
     return QualityResult(variant=variant, input_hash=input_hash, status="ok",
                          duration_s=time.perf_counter() - t0, suites=results, drift=drift,
                          lm_eval_version=lm_eval.__version__,
@@ -84,6 +88,7 @@ def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Pat
                                    "correct_metric": {"mc": CORRECT_METRIC, "gen": "acc (evalsuites/qe_utils.py)",
                                                       "user": "acc_norm if present, else the task's first metric"
                                                               " == 1"},
+                                   "seconds": timings,
                                    "prompt_length_buckets": "prompt tokens by the model's tokenizer, "
                                                             "edges " + ", ".join(map(str, suites.BUCKETS))})
 
