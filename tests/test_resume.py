@@ -33,9 +33,15 @@ def engines_of(marker: str) -> list[psutil.Process]:
     return out
 
 
+def _interactive() -> None:
+    # as a terminal would: a runner started in the background by a non-interactive shell inherits
+    # SIGINT ignored (POSIX), and Python then never raises KeyboardInterrupt for Ctrl-C
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(cmd, cwd, env) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=_interactive)
 
 
 def kill_when(proc: subprocess.Popen, root: Path, pattern: str, timeout: float = 900) -> None:
