@@ -159,11 +159,22 @@ WORDS = ("marigold", "telescope", "pinecone", "saxophone", "lighthouse", "avalan
          "porcupine", "velvet", "harmonica", "tangerine")
 
 
+_ESSAY_IDS: dict[tuple, list[int]] = {}
+
+
+def essay_ids(tok) -> list[int]:
+    """The packaged essays as one token stream (haystacks and the drift corpus), tokenized once."""
+    key = (tok.name_or_path, len(tok))  # not id(): a freed tokenizer's id can be reused
+    if key not in _ESSAY_IDS:
+        text = "\n\n".join(t for _, t in assets.essays())
+        _ESSAY_IDS[key] = tok(text, add_special_tokens=False)["input_ids"]
+    return _ESSAY_IDS[key]
+
+
 def needle_rows(tok, context_tokens: tuple[int, ...], depths: tuple[float, ...], per_cell: int) -> list[dict]:
     """Haystacks of exact token lengths cut from the packaged essays, a needle sentence inserted at
     each depth (at the nearest sentence start), per_cell different needles per (length, depth)."""
-    text = "\n\n".join(t for _, t in assets.essays())
-    ids = tok(text, add_special_tokens=False)["input_ids"]
+    ids = essay_ids(tok)
     rng = random.Random(0)
     rows, offset = [], 0
     for _ in range(per_cell):  # cell by cell, so a limit keeps every length and depth

@@ -297,11 +297,25 @@ class Server:
             out["counted"] = "before kernel post-processing" if cpu else "after kernel post-processing"
         return out
 
+    def _metrics(self, timeout: float = 30) -> str:
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=timeout) as r:
+            return r.read().decode()
+
+    def gauges(self, names: tuple[str, ...]) -> dict[str, float]:
+        """Current values of Prometheus metrics from /metrics, summed over label sets."""
+        out = dict.fromkeys(names, 0.0)
+        for line in self._metrics(10).splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in out:
+                try:
+                    out[name] += float(line.rsplit(" ", 1)[1])
+                except ValueError:
+                    pass
+        return out
+
     def cache_config(self) -> dict:
         """The engine's own KV-cache figures from the vllm:cache_config_info gauge."""
-        with urllib.request.urlopen(self.base_url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-        for line in text.splitlines():
+        for line in self._metrics().splitlines():
             if line.startswith("vllm:cache_config_info{"):
                 body = line[line.index("{") + 1: line.rindex("}")]
                 labels = {}

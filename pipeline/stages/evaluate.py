@@ -181,13 +181,8 @@ def suite_quality(suite, rows: list[dict], metric: str, samples_file: str, sha: 
                         categories=cats, slices=slices, samples_file=samples_file, samples_sha256=sha)
 
 
-def drift_corpus_ids(tok) -> list[int]:
-    text = "\n\n".join(t for _, t in assets.essays())
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
 def run_drift(server: Server, tok, spec, vdir: Path) -> DriftQuality:
-    windows = drift.windows_from_ids(drift_corpus_ids(tok), spec.windows, spec.window_tokens)
+    windows = drift.windows_from_ids(suites.essay_ids(tok), spec.windows, spec.window_tokens)
     rows = drift.score_windows(server.port, SERVED_NAME, windows, spec.top_k)
     path = vdir / "samples" / "drift.jsonl"
     text = "".join(json.dumps(r) + "\n" for r in rows)
@@ -259,23 +254,6 @@ GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cac
           "vllm:num_preemptions_total")
 
 
-def read_gauges(base_url: str) -> dict[str, float]:
-    """The scheduler's gauges from /metrics (summed over label sets)."""
-    import urllib.request
-
-    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = dict.fromkeys(GAUGES, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in out:
-            try:
-                out[name] += float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                pass
-    return out
-
-
 def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity, timeout: float,
                     poll_s: float = 0.1) -> AdmissionProbe | None:
     """Ramp to the knee in one step: a sequence shape that fills whole KV blocks, long enough that
@@ -298,13 +276,13 @@ def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity
     n = predicted + 2
     prompts = stream.take(n, prompt)
     peak = {k: 0.0 for k in GAUGES}
-    start = read_gauges(server.base_url)
+    start = server.gauges(GAUGES)
     done = threading.Event()
 
     def poll() -> None:
         while not done.is_set():
             try:
-                g = read_gauges(server.base_url)
+                g = server.gauges(GAUGES)
             except OSError:
                 done.wait(poll_s)
                 continue
@@ -319,7 +297,7 @@ def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity
     finally:
         done.set()
         t.join()
-    end = read_gauges(server.base_url)
+    end = server.gauges(GAUGES)
     preempted = int(end["vllm:num_preemptions_total"] - start["vllm:num_preemptions_total"])
     running = int(peak["vllm:num_requests_running"])
     usage = peak["vllm:kv_cache_usage_perc"]
