@@ -155,6 +155,9 @@ class Latency(Model):
 class CellResult(Model):
     cell: dict = Field(description="prompt_tokens, output_tokens, concurrency, prefix.")
     latency: Latency
+    admission_sequences: int | None = Field(
+        None, description="Sequences of this cell's prompt+output length the KV pool admits at once, "
+        "capped by max_num_seqs.")
 
 
 class Roofline(Model):

@@ -342,23 +342,25 @@ def scatter(title: str, xlabel: str, pts: list[tuple[str, float, float]], lower_
             f"{escape(', '.join(sorted(front)))})</figcaption></figure>")
 
 
-def _cells(s: dict) -> list[tuple[dict, dict]]:
+def _cells(s: dict) -> list[tuple[dict, dict, int | None]]:
     """(cell, latency) for the primary cell and every matrix cell of a systems result."""
     if not s or not s.get("latency"):
         return []
     wl = s.get("workload") or {}
     primary = {k: wl.get(k) for k in ("prompt_tokens", "output_tokens", "concurrency")}
-    return [({**primary, "prefix": "unique"}, s["latency"])] + [(c["cell"], c["latency"]) for c in s.get("cells", [])]
+    adm = (s.get("kv") or {}).get("admission_sequences")
+    return [({**primary, "prefix": "unique"}, s["latency"], adm)] + [
+        (c["cell"], c["latency"], c.get("admission_sequences")) for c in s.get("cells", [])]
 
 
 def matrix_section(data: dict) -> str:
     rows, curves = [], {}
     for name, r in data["variants"].items():
-        for cell, lat in _cells(r["systems"]):
+        for cell, lat, adm in _cells(r["systems"]):
             label = f"{cell['prompt_tokens']} in / {cell['output_tokens']} out, c={cell['concurrency']}, {cell['prefix']}"
             rows.append([escape(name), escape(label), fmt(lat["ttft_ms"]["p50"], 1), fmt(lat["ttft_ms"]["p99"], 1),
                          fmt(lat["tpot_ms"]["p50"], 1), fmt(lat["tpot_ms"]["p99"], 1), fmt(lat["output_tok_per_s"], 1),
-                         f"{lat['completed']} / {lat['failed'] + lat['timed_out']}"])
+                         f"{lat['completed']} / {lat['failed'] + lat['timed_out']}", fmt(adm)])
             key = (cell["prompt_tokens"], cell["output_tokens"], cell["prefix"])
             if lat["tpot_ms"]["p50"] is not None:
                 curves.setdefault(key, {}).setdefault(name, []).append((cell["concurrency"], lat["tpot_ms"]["p50"]))
@@ -368,7 +370,8 @@ def matrix_section(data: dict) -> str:
                      for (p, o, pre), series in curves.items()
                      if any(len({c for c, _ in pts}) > 1 for pts in series.values()))
     return ("<h2>Workload matrix</h2>" + table(["variant", "cell", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-                                                "output tok/s", "ok / failed"], rows, left=2) + charts)
+                                                "output tok/s", "ok / failed", "KV admits (≤ max_num_seqs)"],
+                                               rows, left=2) + charts)
 
 
 def line_chart(title: str, series: dict[str, list[tuple[float, float]]]) -> str:

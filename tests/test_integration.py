@@ -165,6 +165,7 @@ def test_kv_capacity_matches_engine_and_config(run):
     cells = s["cells"]
     assert [(c["cell"]["concurrency"], c["cell"]["prefix"]) for c in cells] == [(1, "unique"), (2, "shared")]
     assert all(c["latency"]["completed"] == 4 and c["latency"]["output_tokens"] == 32 for c in cells)
+    assert [c["admission_sequences"] for c in cells] == [8, 8]  # one block each; max_num_seqs binds
     assert "Workload matrix" in (run["dir"] / "report.html").read_text()
 
 

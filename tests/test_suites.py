@@ -253,3 +253,11 @@ def test_drift_windows_from_the_end():
     assert w == [ids[10:40], ids[40:70], ids[70:100]]
     with pytest.raises(ValueError, match="too few"):
         drift.windows_from_ids(ids, 4, 30)
+
+
+def test_admission_counts_whole_sequences_and_the_null_block():
+    from pipeline.stages.evaluate import admitted
+
+    # 8 blocks of 128, one of them vLLM's null block (measured: tests/test_systems_engine.py)
+    assert admitted(8, 128, 256) == 3 and admitted(8, 128, 128) == 7 and admitted(8, 128, 129) == 3
+    assert admitted(182, 128, 320, 16) == 16 and admitted(182, 128, 1536, 16) == 15

@@ -224,6 +224,13 @@ def latency_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     return PromptStream(tokenizer).take(count, length)
 
 
+def admitted(blocks: int, block: int, seq_len: int, max_num_seqs: int | None = None) -> int:
+    """Sequences of seq_len tokens the KV pool holds at once (vLLM keeps one of its blocks as a
+    null block), capped by max_num_seqs when given."""
+    n = (blocks - 1) // math.ceil(seq_len / block)
+    return min(n, max_num_seqs) if max_num_seqs else n
+
+
 def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, workload) -> KVCapacity:
     cfg = json.loads((model_dir / "config.json").read_text())
     text_cfg = cfg.get("text_config", cfg)
@@ -240,8 +247,8 @@ def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, wo
     seq_len = workload.prompt_tokens + workload.output_tokens
     tokens = blocks * block if blocks and block else None
     admission = kv_only = None
-    if blocks and block:  # vLLM keeps one block as its null block: blocks - 1 hold sequences
-        kv_only = (blocks - 1) // math.ceil(seq_len / block)
+    if blocks and block:
+        kv_only = admitted(blocks, block, seq_len)
         admission = min(kv_only, engine.max_num_seqs)
     mc = cache.get("kv_cache_max_concurrency")
     return KVCapacity(block_size=block, num_blocks=blocks, tokens=tokens,
@@ -343,6 +350,11 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
         server, stream, w, c.prompt_tokens, c.output_tokens, c.concurrency, c.prefix))) for c in w.matrix]
     cache = server.cache_config()
     kv = kv_capacity(cache, model_dir, recipe.engine, kv_bytes_per_elem, w)
+    if kv.num_blocks and kv.block_size:  # admission for every shape of the matrix, too
+        for c in cells:
+            c.admission_sequences = admitted(kv.num_blocks, kv.block_size,
+                                             c.cell["prompt_tokens"] + c.cell["output_tokens"],
+                                             recipe.engine.max_num_seqs)
     if w.admission_probe:
         try:
             kv.probe = admission_probe(server, stream, recipe.engine, kv, w.request_timeout_s)
