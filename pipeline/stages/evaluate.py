@@ -277,7 +277,7 @@ def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity
     bps = max(1, -(-(usable + 1) // engine.max_num_seqs))  # fewest blocks/sequence for KV to bind
     bps = min(bps, max(1, engine.max_model_len // block))  # else the pool outlasts max_num_seqs sequences
     prompt = bps * block - output
-    kv_only = usable // bps
+    kv_only = admitted(kv.num_blocks, block, bps * block)
     predicted = min(kv_only, engine.max_num_seqs)
     binding = "kv" if kv_only < engine.max_num_seqs else "max_num_seqs"
     n = predicted + 2
@@ -365,14 +365,21 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
         error = f"engine exited (code {server.proc.returncode}) during the workload"
     elif latency["completed"] == 0:
         error = f"no request completed ({latency['failed']} failed, {latency['timed_out']} timed out)"
+    loaded = server.loaded_weights()  # logged by the engine once its weights were in place
+    if loaded:  # the decode floor from the bytes the engine really holds
+        weights, source = loaded["parameters"], "parameters as loaded (reported by the engine)"
+    else:
+        weights, source = loaded_weight_bytes(model_dir, act_bytes), FROM_CHECKPOINT
     return SystemsResult(
         variant=variant, input_hash=input_hash, status="failed" if error else "ok", error=error,
         duration_s=time.perf_counter() - t0,
         checkpoint_bytes=weight_bytes(model_dir), engine_start_s=server.start_s, kv=kv,
+        weight_memory=loaded or {},
+        weight_memory_bytes=loaded["parameters"] + loaded["buffers"] if loaded else None,
         workload={**w.model_dump(), "prefix_cache": "enabled; primary cell: prompts distinct (cold); "
                   "'shared' matrix cells: same first half (warm after the first request)"},
         latency=Latency(**latency), cells=cells,
-        roofline=roofline(loaded_weight_bytes(model_dir, act_bytes), kv, w, latency["tpot_ms"]["p50"]))
+        roofline=roofline(weights, kv, w, latency["tpot_ms"]["p50"], source))
 
 
 def loaded_weight_bytes(model_dir: Path, engine_elem_bytes: int) -> int:
@@ -405,8 +412,11 @@ def measure_cell(server: Server, stream: PromptStream, w, prompt_tokens: int, ou
     return latency
 
 
+FROM_CHECKPOINT = "checkpoint bytes, dense ones scaled to the engine dtype"
+
+
 def roofline(weights: int, kv: KVCapacity, w, tpot_p50_ms: float | None,
-             weights_source: str = "checkpoint bytes, dense ones scaled to the engine dtype") -> Roofline | None:
+             weights_source: str = FROM_CHECKPOINT) -> Roofline | None:
     """Decode is bandwidth bound: each step reads every weight once (as loaded) plus the batch's
     KV cache. Floor TPOT = bytes per step / bandwidth. Approximate: ignores activations, caches."""
     if not kv.bytes_per_token_config:
@@ -466,19 +476,6 @@ def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
         if systems is not None:
             systems.peak_memory_bytes = server.memory.peak_tree_rss
             systems.device_memory_peak_bytes = server.memory.peak_device or None
-            loaded = server.loaded_weights()
-            if loaded:
-                systems.weight_memory = loaded
-                systems.weight_memory_bytes = loaded["parameters"] + loaded["buffers"]
-                r = systems.roofline
-                if r and r.weight_bytes is not None:  # the floor from the bytes the engine really holds
-                    step = loaded["parameters"] + (r.bytes_per_step - r.weight_bytes)
-                    floor = step / (r.bandwidth_gbps * 1e9) * 1000
-                    tpot = systems.latency.tpot_ms.p50 if systems.latency else None
-                    systems.roofline = r.model_copy(update={
-                        "bytes_per_step": step, "floor_tpot_ms": floor, "weight_bytes": loaded["parameters"],
-                        "weight_bytes_source": "parameters as loaded (reported by the engine)",
-                        "measured_over_floor": tpot / floor if tpot else None})
             write_json(vdir / "systems.json", systems)
             lat = systems.latency
             log(f"systems: TTFT p50 {lat.ttft_ms.p50:.0f} ms, TPOT p50 {lat.tpot_ms.p50:.1f} ms, "
