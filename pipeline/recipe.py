@@ -249,9 +249,10 @@ class WorkloadSpec(Strict):
     matrix: tuple[CellSpec, ...] = Field(
         (), description="Further cells: prompt x output length x concurrency x prefix sharing.")
     admission_probe: bool = Field(
-        False, description="Measure the admission knee: a fixed-length request shape sized so the KV pool "
-        "binds before max_num_seqs (when max_model_len allows), predicted admission + 2 sent at once, the "
-        "engine's running/waiting/preemption gauges polled. Costs one pool-filling batch per variant.")
+        False, description="Measure the admission knee: ramp concurrency (1, 2, 4, ... up to the predicted "
+        "admission, then one past it; bisected if requests queue sooner) with a fixed request shape sized so "
+        "the KV pool binds before max_num_seqs (when max_model_len allows), polling the engine's running/"
+        "waiting/preemption/KV-usage gauges. Costs about four pool-filling batches per variant.")
     memory_bandwidth_gbps: float | None = Field(
         None, gt=0, description="For the decode roofline; null = measured on the host (numpy copy, "
         "one thread) on CPU. Set it on GPUs (e.g. 4800 for an H200).")

@@ -95,22 +95,46 @@ class Percentiles(Model):
     p99: float | None
 
 
+class RampStep(Model):
+    """One step of the admission ramp: `concurrency` requests of the probe shape sent at once."""
+
+    concurrency: int
+    max_running: int = Field(description="Most sequences the engine ran at once (vllm:num_requests_running).")
+    max_waiting: int = Field(description="Most requests waiting at once (vllm:num_requests_waiting); also "
+                             "non-zero below the knee while the token budget staggers long prompts.")
+    preemptions: int = Field(description="Sequences preempted during the step (vllm:num_preemptions_total).")
+    kv_usage_peak: float | None = Field(None, description="Peak vllm:kv_cache_usage_perc (0-1).")
+    queued: bool = Field(description="A request waited while the pool had no room for one more sequence (or "
+                         "max_num_seqs were running), or a sequence was preempted: past the knee.")
+    ttft_p50_ms: float | None = None
+    ttft_max_ms: float | None = Field(None, description="Past the knee: includes the queued requests' wait.")
+    tpot_p50_ms: float | None = None
+    e2e_p50_ms: float | None = None
+    completed: int
+    failed: int
+    errors: list[str] = Field(default_factory=list, description="Distinct errors of failed requests.")
+
+
 class AdmissionProbe(Model):
-    """The measured knee: requests of one fixed shape all sent at once, the engine's own
-    scheduler gauges polled while they run."""
+    """The measured knee: a ramp of fixed-shape request batches (1, 2, 4, ... up to the prediction,
+    then one past it; bisected when requests queue earlier), the engine's own scheduler gauges
+    polled while each runs."""
 
     prompt_tokens: int
     output_tokens: int
     blocks_per_sequence: int
-    requests: int = Field(description="Sent at once: the predicted admission + 2.")
     predicted: int = Field(description="min((KV blocks - 1 null block) // blocks per sequence, max_num_seqs).")
     binding: str = Field(description="kv or max_num_seqs: which limit the prediction says binds first.")
-    max_running: int = Field(description="Most sequences the engine ran at once (vllm:num_requests_running).")
-    max_waiting: int = Field(description="Most requests queued at once (vllm:num_requests_waiting).")
-    preemptions: int = Field(description="Sequences preempted during the probe (vllm:num_preemptions_total).")
-    kv_usage_peak: float | None = Field(None, description="Peak vllm:kv_cache_usage_perc (0-1).")
+    steps: list[RampStep] = Field(description="Every step of the ramp, by concurrency.")
+    knee: int = Field(description="Most concurrent requests that all ran at once without queueing or preemption.")
+    first_queued: int | None = Field(None, description="Fewest concurrent requests that queued (knee + 1 when "
+                                     "the ramp found it); None if no step queued.")
+    requests: int = Field(description="Requests sent over the whole ramp.")
+    max_running: int = Field(description="Most sequences the engine ran at once over the ramp.")
+    preemptions: int = Field(description="Sequences preempted over the whole ramp.")
+    kv_usage_peak: float | None = Field(None, description="Peak vllm:kv_cache_usage_perc (0-1) over the ramp.")
     empirical_tokens: int | None = Field(
-        None, description="KV tokens that can hold sequences, measured: blocks in use at the peak (max_running x "
+        None, description="KV tokens that can hold sequences, measured at the knee step: blocks in use (knee x "
         "blocks per sequence) / the engine's peak usage gauge x block size; KV-bound probes without preemption.")
     completed: int
     note: str = ""

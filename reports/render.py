@@ -191,7 +191,7 @@ def drift_section(data: dict) -> str:
 
 
 def systems_section(data: dict) -> str:
-    mem_rows, lat_rows, roof_rows, extra_rows, probe_rows = [], [], [], [], []
+    mem_rows, lat_rows, roof_rows, extra_rows, probe_rows, ramp_rows = [], [], [], [], [], []
     for name, r in data["variants"].items():
         s = r["systems"]
         if not s:
@@ -212,12 +212,21 @@ def systems_section(data: dict) -> str:
         pr = kv.get("probe")
         if pr:
             probe_rows.append([escape(name), f"{pr['prompt_tokens']} + {pr['output_tokens']} "
-                               f"({pr['blocks_per_sequence']} blocks)", str(pr["requests"]),
-                               f"{pr['predicted']} ({escape(pr['binding'])} binds)", str(pr["max_running"]),
-                               str(pr["max_waiting"]), str(pr["preemptions"]),
+                               f"({pr['blocks_per_sequence']} blocks)",
+                               f"{pr['predicted']} ({escape(pr['binding'])} binds)",
+                               f"<b>{pr['knee']}</b>", fmt(pr.get("first_queued")), str(pr["requests"]),
+                               str(pr["preemptions"]),
                                fmt(pr["kv_usage_peak"], pct=True) if pr.get("kv_usage_peak") is not None else "–",
                                f"{fmt(kv.get('tokens'))} / {fmt(kv.get('tokens_config'))} / "
                                f"{fmt(pr.get('empirical_tokens'))}", escape(pr["note"])])
+            for st in pr["steps"]:
+                ramp_rows.append([escape(name), str(st["concurrency"]), str(st["max_running"]),
+                                  str(st["max_waiting"]), str(st["preemptions"]),
+                                  fmt(st["kv_usage_peak"], pct=True) if st.get("kv_usage_peak") is not None else "–",
+                                  "<b>queued</b>" if st["queued"] else "all ran at once",
+                                  f"{fmt(st.get('ttft_p50_ms'), 0)} / {fmt(st.get('ttft_max_ms'), 0)}",
+                                  fmt(st.get("tpot_p50_ms"), 1),
+                                  fmt(st.get("e2e_p50_ms"), 0), f"{st['completed']} / {st['failed']}"])
         lat = s.get("latency")
         roof = s.get("roofline")
         if roof:
@@ -255,15 +264,25 @@ def systems_section(data: dict) -> str:
                      "admission @workload (≤ max_num_seqs)",
                      "engine start s"], mem_rows)
             + ("<h3>Admission knee, measured</h3><p class='small muted'>A request shape filling whole KV "
-               "blocks, sized so the KV pool binds before max_num_seqs where max_model_len allows; predicted "
-               "admission + 2 requests sent at once while the engine's gauges (running, waiting, preemptions, "
-               "KV usage) are polled every 0.1 s. KV tokens three ways: engine (blocks × block) / config "
-               "arithmetic / empirical (most sequences held at once × their blocks; KV-bound probes "
-               "without preemption only). Admission is whole sequences, so the empirical figure sits up to "
-               "one sequence below the pool; the note says what the rest is.</p>"
-               + table(["variant", "shape (prompt + output)", "sent", "predicted", "max running", "max waiting",
-                        "preemptions", "peak KV usage", "KV tokens engine / config / empirical", "note"],
-                       probe_rows, last_left=True) if probe_rows else "")
+               "blocks, sized so the KV pool binds before max_num_seqs where max_model_len allows. Concurrency "
+               "is ramped (1, 2, 4, … below the prediction, then the prediction and one past it; bisected if "
+               "requests queue sooner), each step a fresh batch sent at once while the engine's gauges "
+               "(running, waiting, preemptions, KV usage) are polled every 0.05 s. A step <i>queued</i> when a "
+               "request waited while the pool had no room for one more sequence (or max_num_seqs ran), or a "
+               "sequence was preempted; waiting alone is not queueing, since the token budget admits long "
+               "prompts a few per engine step. Knee: the most requests that all ran at once. KV tokens three "
+               "ways: engine (blocks × block) / config arithmetic / empirical (the knee's sequences × their "
+               "blocks ÷ the engine's usage gauge; KV-bound probes without preemption only). Admission is "
+               "whole sequences, so the empirical figure sits up to one sequence below the pool; the note "
+               "says what the rest is.</p>"
+               + table(["variant", "shape (prompt + output)", "predicted", "knee (measured)", "first queued",
+                        "requests sent", "preemptions", "peak KV usage", "KV tokens engine / config / empirical",
+                        "note"], probe_rows, last_left=True)
+               + "<p class='small muted'>The ramp, step by step: latency of the step's requests (TTFT "
+                 "includes the batch's prefill; past the knee, its max includes the queued requests' wait).</p>"
+               + table(["variant", "concurrency", "max running", "max waiting", "preemptions", "peak KV usage",
+                        "outcome", "TTFT p50 / max ms", "TPOT p50 ms", "e2e p50 ms", "ok / failed"], ramp_rows)
+               if probe_rows else "")
             + f"<h2>Latency at fixed concurrency</h2><p class='small muted'>{escape(cell)}. {escape(timers)} "
               "One run per variant: differences under ~10–15% are within run-to-run noise here.</p>"
             + table(["variant", "TTFT ms p50/p95/p99", "TPOT ms p50/p95/p99", "ITL ms p50/p95/p99",

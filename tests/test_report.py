@@ -109,3 +109,26 @@ def test_committed_run_folder_renders(tmp_path):
     assert f"VERDICT: {so['verdict']}" in html
     assert "&lt;b&gt;Which&lt;/b&gt; way &amp; why?" in html and "<b>Which</b>" not in html
     assert html.count("Pareto front") == 3
+
+
+def test_admission_ramp_is_reported_step_by_step(run):
+    p = run / "v4" / "systems.json"
+    d = json.loads(p.read_text())
+    step = lambda c, queued: {"concurrency": c, "max_running": min(c, 7), "max_waiting": c - min(c, 7),  # noqa: E731
+                              "preemptions": 0, "kv_usage_peak": min(c, 7) / 7, "queued": queued,
+                              "ttft_p50_ms": 100.0 * c, "ttft_max_ms": 100.0 * c + (900 if queued else 0),
+                              "tpot_p50_ms": 10.0,
+                              "e2e_p50_ms": 300.0 * c, "completed": c, "failed": 0}
+    d["kv"]["probe"] = {"prompt_tokens": 112, "output_tokens": 16, "blocks_per_sequence": 1, "predicted": 7,
+                        "binding": "kv", "steps": [step(c, c > 7) for c in (1, 2, 4, 7, 8)], "knee": 7,
+                        "first_queued": 8, "requests": 22, "max_running": 7, "preemptions": 0,
+                        "kv_usage_peak": 1.0, "empirical_tokens": 896, "completed": 22,
+                        "note": "knee as predicted <null block>"}
+    p.write_text(json.dumps(d))
+    html = render_run(run).read_text()
+    assert "Admission knee, measured" in html and "<b>7</b>" in html and "&lt;null block&gt;" in html
+    ramp = html[html.index("The ramp, step by step"):]
+    rows = re.findall(r"<tr><td[^>]*>v4</td><td[^>]*>(\d+)</td>.*?</tr>", ramp)
+    assert rows[:5] == ["1", "2", "4", "7", "8"]
+    assert ramp.count("<b>queued</b>") == 1 and ramp.count("all ran at once") == 4
+    assert "800 / 1700" in ramp  # the queued request's wait shows in the step's max TTFT

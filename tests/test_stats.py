@@ -98,3 +98,33 @@ def test_roofline_arithmetic():
     assert r.floor_tpot_ms == pytest.approx(1_220_000 / 10e9 * 1000)
     assert r.measured_over_floor == pytest.approx(1.0 / r.floor_tpot_ms)
     assert 0.5 < measure_bandwidth_gbps(mib=16, tries=2) < 2000
+
+
+@pytest.mark.parametrize("true_knee,predicted,steps", [
+    (7, 7, [1, 2, 4, 7, 8]),          # as predicted: doubling below it, then it and one past it
+    (5, 7, [1, 2, 4, 7, 5, 6]),       # queued sooner: bisected between 4 (clean) and 7 (queued)
+    (1, 7, [1, 2]),
+    (3, 16, [1, 2, 4, 3]),
+    (9, 7, [1, 2, 4, 7, 8, 9, 10]),   # the prediction was low: one more at a time past it
+    (15, 15, [1, 2, 4, 8, 15, 16]),
+    (1, 1, [1, 2]),
+])
+def test_find_knee_ramps_to_the_first_queueing_step(true_knee, predicted, steps):
+    from pipeline.stages.evaluate import find_knee
+
+    sent = []
+
+    def step(c):
+        sent.append(c)
+        return c > true_knee
+
+    assert find_knee(predicted, step) == (true_knee, true_knee + 1)
+    assert sent == steps
+
+
+def test_find_knee_stops_looking_past_the_prediction():
+    from pipeline.stages.evaluate import find_knee
+
+    sent = []
+    knee, first = find_knee(4, lambda c: sent.append(c) or False, beyond=3)
+    assert (knee, first) == (7, None) and sent == [1, 2, 4, 5, 6, 7]

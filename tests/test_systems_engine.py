@@ -36,10 +36,19 @@ def test_loaded_weights_and_measured_admission_knee(tmp_path):
     # once where 8 // 2 = 4 was predicted, the usage gauge at 6/7), max_num_seqs 8: sequences of
     # one block bind the pool at 7
     assert (probe.blocks_per_sequence, probe.prompt_tokens + probe.output_tokens) == (1, 128)
-    assert (probe.predicted, probe.binding, probe.requests) == (7, "kv", 9)
-    assert probe.completed == 9
-    assert probe.max_running == 7 and probe.max_waiting >= 2 and probe.preemptions == 0, probe
-    assert probe.kv_usage_peak == pytest.approx(1.0, abs=1e-6)
+    assert (probe.predicted, probe.binding) == (7, "kv")
+    # the ramp: doubling below the prediction, then the prediction and one past it
+    assert [s.concurrency for s in probe.steps] == [1, 2, 4, 7, 8]
+    assert (probe.knee, probe.first_queued) == (7, 8), probe
+    for st in probe.steps[:-1]:  # below and at the knee every request ran at once
+        assert st.max_running == st.concurrency and not st.queued and st.preemptions == 0, st
+        assert st.completed == st.concurrency and st.ttft_p50_ms and st.tpot_p50_ms
+    past = probe.steps[-1]  # one past it waited while the pool was full, and was not preempted
+    assert past.queued and past.max_running == 7 and past.max_waiting >= 1 and past.preemptions == 0, past
+    # the queued request waited for a running sequence to finish: its TTFT spans another's decode
+    assert past.ttft_max_ms > past.ttft_p50_ms + 0.8 * (probe.output_tokens - 1) * past.tpot_p50_ms, past
+    assert past.completed == 8 and past.kv_usage_peak == pytest.approx(1.0, abs=1e-6)
+    assert probe.requests == probe.completed == 1 + 2 + 4 + 7 + 8
     assert probe.empirical_tokens == 7 * 128 == kv.tokens - kv.block_size  # all but the null block
     assert "as predicted" in probe.note and "null block" in probe.note
     assert Path(tmp_path / "engine.log").read_text().count("QE-WEIGHTS ") == 1

@@ -24,6 +24,7 @@ from pipeline.results import (
     KVCapacity,
     Latency,
     QualityResult,
+    RampStep,
     Roofline,
     SliceStat,
     SuiteQuality,
@@ -261,76 +262,137 @@ GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cac
           "vllm:num_preemptions_total")
 
 
-def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity, timeout: float,
-                    poll_s: float = 0.1) -> AdmissionProbe | None:
-    """Ramp to the knee in one step: a sequence shape that fills whole KV blocks, long enough that
-    the KV pool binds before max_num_seqs when max_model_len allows; predicted admission + 2
-    requests sent at once; running / waiting / preemptions / KV usage polled from the engine."""
+def find_knee(predicted: int, step, beyond: int = 3) -> tuple[int, int | None]:
+    """The admission knee by ramping concurrency: step(c) sends c fixed-shape requests at once and
+    says whether any queued. Doubling from 1 while below the prediction, then the prediction and
+    one past it; a step that queues sooner is bisected against the last clean one; if the
+    prediction + 1 still runs clean, one more at a time, at most `beyond` past the prediction.
+    Returns (knee, first concurrency that queued or None)."""
+    ladder, c = [], 1
+    while c < predicted:
+        ladder.append(c)
+        c *= 2
+    ladder += [max(1, predicted) + i for i in range(beyond + 1)]
+    clean, queued = 0, None
+    for c in ladder:
+        if step(c):
+            queued = c
+            break
+        clean = c
+    while queued is not None and queued - clean > 1:
+        mid = (clean + queued) // 2
+        if step(mid):
+            queued = mid
+        else:
+            clean = mid
+    return clean, queued
+
+
+def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_blocks: int, bps: int,
+              max_num_seqs: int, timeout: float, poll_s: float = 0.05) -> RampStep:
+    """Send every prompt at once and poll the engine's scheduler gauges while they run. The step
+    queued if a request waited while the pool had no room for one more sequence (or max_num_seqs
+    were running), or if a sequence was preempted. Waiting alone is not queueing: below the knee,
+    the token budget (max_num_batched_tokens) also admits long prompts a few per engine step."""
     import threading
 
-    if not (kv.num_blocks and kv.block_size):
-        return None
-    block, usable = kv.block_size, kv.num_blocks - 1  # vLLM's block pool keeps one as its null block
-    # output shorter than a block: the prompt alone already needs every block of the sequence (the
-    # scheduler reserves blocks for the prompt), so admission is decided by whole sequences
-    output = max(2, min(16, block // 2))
-    bps = max(1, -(-(usable + 1) // engine.max_num_seqs))  # fewest blocks/sequence for KV to bind
-    bps = min(bps, max(1, engine.max_model_len // block))  # else the pool outlasts max_num_seqs sequences
-    prompt = bps * block - output
-    kv_only = admitted(kv.num_blocks, block, bps * block)
-    predicted = min(kv_only, engine.max_num_seqs)
-    binding = "kv" if kv_only < engine.max_num_seqs else "max_num_seqs"
-    n = predicted + 2
-    prompts = stream.take(n, prompt)
-    peak = {k: 0.0 for k in GAUGES}
+    samples: list[dict] = []
     start = server.gauges(GAUGES)
     done = threading.Event()
 
     def poll() -> None:
         while not done.is_set():
             try:
-                g = server.gauges(GAUGES)
+                samples.append(server.gauges(GAUGES))
             except OSError:
-                done.wait(poll_s)
-                continue
-            for k in GAUGES:
-                peak[k] = max(peak[k], g[k])
+                pass
             done.wait(poll_s)
 
     t = threading.Thread(target=poll, daemon=True)
     t.start()
     try:
-        recs, _ = loadgen.run_closed_loop(server.port, SERVED_NAME, prompts, output, n, timeout)
+        recs, _ = loadgen.run_closed_loop(server.port, SERVED_NAME, prompts, output, len(prompts), timeout)
     finally:
         done.set()
         t.join()
-    end = server.gauges(GAUGES)
-    preempted = int(end["vllm:num_preemptions_total"] - start["vllm:num_preemptions_total"])
-    running = int(peak["vllm:num_requests_running"])
-    usage = peak["vllm:kv_cache_usage_perc"]
+    samples.append(server.gauges(GAUGES))
+    preempted = int(samples[-1]["vllm:num_preemptions_total"] - start["vllm:num_preemptions_total"])
+
+    def full(g: dict) -> bool:  # no room for one more sequence of the probe shape
+        free = round(usable_blocks * (1 - g["vllm:kv_cache_usage_perc"]))
+        return free < bps or g["vllm:num_requests_running"] >= max_num_seqs
+
+    queued = preempted > 0 or any(g["vllm:num_requests_waiting"] > 0 and full(g) for g in samples)
+    ok = [r for r in recs if r.ok]
+    p50 = lambda xs: stats.percentiles([x * 1000 for x in xs if x is not None])["p50"]  # noqa: E731
+    return RampStep(concurrency=len(prompts), max_running=int(max(g["vllm:num_requests_running"] for g in samples)),
+                    max_waiting=int(max(g["vllm:num_requests_waiting"] for g in samples)), preemptions=preempted,
+                    kv_usage_peak=max(g["vllm:kv_cache_usage_perc"] for g in samples) or None, queued=queued,
+                    ttft_p50_ms=p50(r.ttft for r in ok),
+                    ttft_max_ms=max((r.ttft * 1000 for r in ok if r.ttft is not None), default=None),
+                    tpot_p50_ms=p50(r.tpot for r in ok),
+                    e2e_p50_ms=p50(r.e2e for r in ok), completed=len(ok), failed=len(recs) - len(ok),
+                    errors=sorted({r.error[:160] for r in recs if not r.ok}))
+
+
+def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity, timeout: float,
+                    poll_s: float = 0.05) -> AdmissionProbe | None:
+    """The admission knee, measured by a concurrency ramp (find_knee) of one request shape that fills
+    whole KV blocks, long enough that the KV pool binds before max_num_seqs when max_model_len
+    allows; every step is a fresh batch of distinct prompts sent at once (ramp_step)."""
+    if not (kv.num_blocks and kv.block_size):
+        return None
+    block, usable = kv.block_size, kv.num_blocks - 1  # vLLM's block pool keeps one as its null block
+    # output shorter than a block: vLLM reserves the blocks of the whole prompt when it admits a
+    # request, so the prompt alone already holds every block of the sequence and admission is
+    # decided by whole sequences
+    output = max(2, min(16, block // 2))
+    bps = max(1, -(-(usable + 1) // engine.max_num_seqs))  # fewest blocks/sequence for KV to bind
+    bps = min(bps, max(1, engine.max_model_len // block))  # else the pool outlasts max_num_seqs sequences
+    prompt = bps * block - output
+    kv_only = admitted(kv.num_blocks, block, bps * block)
+    if kv_only < 1:
+        return None
+    predicted = min(kv_only, engine.max_num_seqs)
+    binding = "kv" if kv_only < engine.max_num_seqs else "max_num_seqs"
+    steps: dict[int, RampStep] = {}
+
+    def step(c: int) -> bool:
+        steps[c] = ramp_step(server, stream.take(c, prompt), output, usable, bps, engine.max_num_seqs,
+                             timeout, poll_s)
+        return steps[c].queued
+
+    knee, first_queued = find_knee(predicted, step)
+    ordered = [steps[c] for c in sorted(steps)]
+    at_knee = steps.get(knee)
+    preempted = sum(s.preemptions for s in ordered)
     empirical = None
-    if binding == "kv" and preempted == 0 and usage > 0:
-        # blocks in use at the peak (sequences x their blocks) over the engine's usage gauge: the
+    if binding == "kv" and at_knee and at_knee.max_running == knee and not at_knee.preemptions \
+            and at_knee.kv_usage_peak:
+        # blocks in use at the knee (sequences x their blocks) over the engine's usage gauge: the
         # blocks that can hold sequences, without reading the engine's block count
-        empirical = round(running * bps / usage) * block
-    if preempted:
-        note = (f"the engine admitted {running} and preempted {preempted} time(s): chunked prefill allocates "
-                "blocks as a prompt is computed, so more sequences start than can finish together")
-    elif running == predicted:
+        empirical = round(knee * bps / at_knee.kv_usage_peak) * block
+    if first_queued is None:
+        note = f"no step queued up to {max(steps)} concurrent requests ({predicted} predicted)"
+    elif knee == predicted:
         left = usable - kv_only * bps
-        note = ("as predicted; of the engine's " + f"{kv.num_blocks} blocks one is vLLM's null block (never "
-                "holds tokens)" + (f", and {left} block(s) left after whole sequences are too few for one more"
-                                   if binding == "kv" and left else ""))
+        note = (f"knee as predicted: {knee} ran at once, {first_queued} queued; of the engine's {kv.num_blocks} "
+                "blocks one is vLLM's null block (never holds tokens)"
+                + (f", and {left} block(s) left after whole sequences are too few for one more"
+                   if binding == "kv" and left else ""))
     else:
-        note = f"observed {running} running vs {predicted} predicted"
-    errors = sorted({r.error[:160] for r in recs if not r.ok})
-    if errors:
-        note += f"; {len(recs) - sum(r.ok for r in recs)} request(s) failed: " + " | ".join(errors)
-    return AdmissionProbe(prompt_tokens=prompt, output_tokens=output, blocks_per_sequence=bps, requests=n,
-                          predicted=predicted, binding=binding, max_running=running,
-                          max_waiting=int(peak["vllm:num_requests_waiting"]), preemptions=preempted,
-                          kv_usage_peak=usage or None, empirical_tokens=empirical,
-                          completed=sum(r.ok for r in recs), note=note)
+        note = f"knee at {knee} concurrent requests vs {predicted} predicted"
+    if preempted:
+        note += f"; {preempted} preemption(s)"
+    failed = sum(s.failed for s in ordered)
+    if failed:
+        note += f"; {failed} request(s) failed: " + " | ".join(sorted({e for s in ordered for e in s.errors}))
+    return AdmissionProbe(prompt_tokens=prompt, output_tokens=output, blocks_per_sequence=bps, predicted=predicted,
+                          binding=binding, steps=ordered, knee=knee, first_queued=first_queued,
+                          requests=sum(s.concurrency for s in ordered),
+                          max_running=max(s.max_running for s in ordered), preemptions=preempted,
+                          kv_usage_peak=max((s.kv_usage_peak or 0) for s in ordered) or None,
+                          empirical_tokens=empirical, completed=sum(s.completed for s in ordered), note=note)
 
 
 def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_hash: str,
