@@ -205,6 +205,8 @@ class SystemsResult(StageResult):
                                 "the same after kernel post-processing (CPU packs weights into opaque handles).")
     device_memory_peak_bytes: int | None = Field(
         None, description="GPU only: peak device memory of the engine's processes (nvidia-smi).")
+    device_memory_source: str | None = Field(
+        None, description="How the device memory was attributed: per process, or the whole GPU (approximate).")
     engine_start_s: float | None = None
     kv: KVCapacity | None = None
     workload: dict = Field(default_factory=dict)

@@ -201,9 +201,11 @@ def systems_section(data: dict) -> str:
             mem_rows.append([escape(name), mib(s.get("checkpoint_bytes")),
                              f"<i>not measured: {escape(s.get('error') or '')}</i>"] + [""] * 9)
             continue
-        dev = s.get("device_memory_peak_bytes")
+        dev, dev_src = s.get("device_memory_peak_bytes"), s.get("device_memory_source") or ""
+        dev_txt = f" (device {mib(dev)}" + ("" if dev_src.startswith("per process")
+                                             else ", whole GPU − before start: approximate") + ")"
         mem_rows.append([escape(name), mib(s.get("checkpoint_bytes")), mib(s.get("weight_memory_bytes")),
-                         mib(s.get("peak_memory_bytes")) + (f" (device {mib(dev)})" if dev else ""),
+                         mib(s.get("peak_memory_bytes")) + (dev_txt if dev else ""),
                          fmt(kv.get("tokens")), fmt(kv.get("tokens_config")), fmt(kv.get("num_blocks")),
                          fmt(kv.get("block_size")), fmt(kv.get("bytes_per_token_config")),
                          fmt(kv.get("max_concurrency"), 2),

@@ -80,33 +80,68 @@ def engine_env(engine) -> dict[str, str]:
     return env
 
 
+def _smi(*query: str) -> list[list[str]] | None:
+    """Rows of an nvidia-smi CSV query, or None if nvidia-smi could not answer."""
+    try:
+        out = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return [[x.strip() for x in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+
+
+def device_used_bytes() -> int | None:
+    """Memory in use on the GPUs this process may use (CUDA_VISIBLE_DEVICES by index or UUID)."""
+    rows = _smi("--query-gpu=index,uuid,memory.used")
+    if rows is None:
+        return None
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    total = 0
+    for row in rows:
+        if len(row) == 3 and row[2].isdigit() and (not visible or row[0] in visible or row[1] in visible):
+            total += int(row[2]) * 2**20
+    return total
+
+
+PER_PROCESS = "per process: nvidia-smi compute apps of the engine's process tree"
+WHOLE_DEVICE = ("whole GPU in use minus before the engine started (the engine's PIDs are not visible to "
+                "nvidia-smi, e.g. in a container): approximate, other processes on the GPU count too")
+
+
 @dataclass
 class MemorySampler:
-    """Peak RSS summed over the engine's process tree, sampled every `interval` s."""
+    """Peak RSS summed over the engine's process tree, sampled every `interval` s; on GPU also the
+    peak device memory of that tree, once a second."""
 
     root_pid: int
     interval: float = 0.25
     peak_tree_rss: int = 0
     peak_device: int = 0  # GPU: device memory of the tree's processes (nvidia-smi), else 0
+    device_source: str | None = None  # how peak_device was attributed: PER_PROCESS or WHOLE_DEVICE
+    device_before: int | None = None  # GPU memory in use before the engine started (WHOLE_DEVICE)
     hwm: dict[int, int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _gpu: bool = field(default_factory=lambda: envs.has_nvidia_gpu())
     _ticks: int = 0
 
-    def _device_bytes(self, pids: set[int]) -> int:
-        """Device memory nvidia-smi attributes to these processes (MiB resolution)."""
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                  "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                                 timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            return 0
-        total = 0
-        for line in out.splitlines():
-            parts = [x.strip() for x in line.split(",")]
-            if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in pids and parts[1].isdigit():
-                total += int(parts[1]) * 2**20
-        return total
+    def _device_bytes(self, pids: set[int]) -> tuple[int, str | None]:
+        """Device memory of these processes (MiB resolution) and how it was attributed. When
+        nvidia-smi lists compute processes but none of these PIDs (a PID namespace), the whole
+        device's use above what it was before the engine started."""
+        apps = _smi("--query-compute-apps=pid,used_memory")
+        if apps is None:
+            return 0, None
+        mine = [int(r[1]) * 2**20 for r in apps
+                if len(r) == 2 and r[0].isdigit() and int(r[0]) in pids and r[1].isdigit()]
+        if mine:
+            return sum(mine), PER_PROCESS
+        if apps and self.device_before is not None:
+            used = device_used_bytes()
+            if used is not None:
+                return max(0, used - self.device_before), WHOLE_DEVICE
+        return 0, None
 
     def _sample(self) -> None:
         try:
@@ -127,7 +162,9 @@ class MemorySampler:
         self.peak_tree_rss = max(self.peak_tree_rss, total)
         self._ticks += 1
         if self._gpu and self._ticks % 4 == 1:  # once a second: nvidia-smi itself takes ~50 ms
-            self.peak_device = max(self.peak_device, self._device_bytes({p.pid for p in procs}))
+            used, source = self._device_bytes({p.pid for p in procs})
+            if used > self.peak_device:
+                self.peak_device, self.device_source = used, source
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -188,6 +225,8 @@ class Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.reap_stale()
         log = open(self.log_path, "w")
+        gpu = envs.has_nvidia_gpu()
+        device_before = device_used_bytes() if gpu else None  # for attributing device memory without PIDs
         t0 = self._t_started = time.perf_counter()
         root = Path(__file__).resolve().parent.parent.parent
         hooks = Path(__file__).resolve().parent / "hooks"  # sitecustomize: reports loaded weight bytes
@@ -200,7 +239,7 @@ class Server:
         except psutil.Error:
             created = 0.0
         self.pgid_file.write_text(f"{self.proc.pid} {created}")
-        self.memory = MemorySampler(self.proc.pid).start()
+        self.memory = MemorySampler(self.proc.pid, device_before=device_before, _gpu=gpu).start()
         try:
             self._wait_ready(t0)
         except BaseException:

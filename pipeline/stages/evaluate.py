@@ -538,6 +538,7 @@ def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
         if systems is not None:
             systems.peak_memory_bytes = server.memory.peak_tree_rss
             systems.device_memory_peak_bytes = server.memory.peak_device or None
+            systems.device_memory_source = server.memory.device_source
             write_json(vdir / "systems.json", systems)
             lat = systems.latency
             log(f"systems: TTFT p50 {lat.ttft_ms.p50:.0f} ms, TPOT p50 {lat.tpot_ms.p50:.1f} ms, "

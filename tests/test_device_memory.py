@@ -1,0 +1,90 @@
+"""GPU device memory attribution, against a stand-in nvidia-smi (no GPU here or in CI): the
+sampler counts the engine tree's own processes, and when nvidia-smi cannot see their PIDs (a
+container's PID namespace) it falls back to the whole GPU above what was in use before."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from pipeline.engines.server import PER_PROCESS, WHOLE_DEVICE, MemorySampler, device_used_bytes
+
+FAKE = """#!/usr/bin/env python3
+import os, sys
+args = " ".join(sys.argv[1:])
+assert "--format=csv,noheader,nounits" in args, args
+name = "apps" if "--query-compute-apps=pid,used_memory" in args else "gpus"
+assert name == "apps" or "--query-gpu=index,uuid,memory.used" in args, args
+sys.stdout.write(open(os.path.join(os.environ["FAKE_SMI_DIR"], name)).read())
+"""
+
+
+@pytest.fixture
+def smi(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "nvidia-smi"
+    exe.write_text(FAKE)
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SMI_DIR", str(tmp_path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def write(apps: str, gpus: str) -> None:
+        (tmp_path / "apps").write_text(apps)
+        (tmp_path / "gpus").write_text(gpus)
+    return write
+
+
+@pytest.fixture
+def tree():
+    """A guard process with one child, like the engine tree (the root is the guard)."""
+    root = subprocess.Popen([sys.executable, "-c", "import subprocess; subprocess.run(['sleep', '60'])"])
+    for _ in range(100):
+        kids = psutil.Process(root.pid).children(recursive=True)
+        if kids:
+            break
+        time.sleep(0.05)
+    yield root.pid, kids[0].pid
+    for k in kids:
+        k.kill()
+    root.kill()
+    root.wait()
+
+
+def test_device_memory_of_the_engine_tree_only(smi, tree):
+    root, child = tree
+    smi(f"{child}, 1234\n999999, 5000\n", "0, GPU-a, 7000\n")
+    m = MemorySampler(root, device_before=0, _gpu=True)
+    m._sample()
+    assert (m.peak_device, m.device_source) == (1234 * 2**20, PER_PROCESS)
+
+
+def test_pids_hidden_by_a_namespace_fall_back_to_the_whole_device(smi, tree, monkeypatch):
+    root, _ = tree
+    smi("", "0, GPU-a, 1000\n1, GPU-b, 500\n")
+    before = device_used_bytes()
+    assert before == 1500 * 2**20
+    m = MemorySampler(root, device_before=before, _gpu=True)
+    m._sample()
+    assert (m.peak_device, m.device_source) == (0, None)  # nothing runs on the GPU yet
+    smi("4242, 3000\n", "0, GPU-a, 3500\n1, GPU-b, 500\n")  # a PID nvidia-smi sees, not ours
+    m._ticks = 0
+    m._sample()
+    assert (m.peak_device, m.device_source) == (2500 * 2**20, WHOLE_DEVICE)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-b")  # only the GPUs the engine may use count
+    assert device_used_bytes() == 500 * 2**20
+
+
+def test_no_nvidia_smi_means_no_device_figure(tree, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    m = MemorySampler(tree[0], device_before=None, _gpu=True)
+    m._sample()
+    assert (m.peak_device, m.device_source) == (0, None) and m.peak_tree_rss > 0
+    assert device_used_bytes() is None
