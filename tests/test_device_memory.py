@@ -78,6 +78,10 @@ def test_pids_hidden_by_a_namespace_fall_back_to_the_whole_device(smi, tree, mon
     m._ticks = 0
     m._sample()
     assert (m.peak_device, m.device_source) == (2500 * 2**20, WHOLE_DEVICE)
+    smi(f"{root}, [N/A]\n", "0, GPU-a, 4000\n1, GPU-b, 500\n")  # ours, but no per-process figure
+    m._ticks = 0
+    m._sample()
+    assert (m.peak_device, m.device_source) == (3000 * 2**20, WHOLE_DEVICE)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-b")  # only the GPUs the engine may use count
     assert device_used_bytes() == 500 * 2**20
 

@@ -129,15 +129,16 @@ class MemorySampler:
     def _device_bytes(self, pids: set[int]) -> tuple[int, str | None]:
         """Device memory of these processes (MiB resolution) and how it was attributed. When
         nvidia-smi lists compute processes but none of these PIDs (a PID namespace), the whole
-        device's use above what it was before the engine started."""
+        device's use above what it was before the engine started; also when it lists no per-process
+        figure ("[N/A]", as under MIG or some containers)."""
         apps = _smi("--query-compute-apps=pid,used_memory")
         if apps is None:
             return 0, None
-        mine = [int(r[1]) * 2**20 for r in apps
-                if len(r) == 2 and r[0].isdigit() and int(r[0]) in pids and r[1].isdigit()]
+        listed = [r for r in apps if len(r) == 2 and r[0].isdigit()]
+        mine = [int(r[1]) * 2**20 for r in listed if int(r[0]) in pids and r[1].isdigit()]
         if mine:
             return sum(mine), PER_PROCESS
-        if apps and self.device_before is not None:
+        if listed and self.device_before is not None:  # not our PIDs, or used memory "[N/A]"
             used = device_used_bytes()
             if used is not None:
                 return max(0, used - self.device_before), WHOLE_DEVICE
