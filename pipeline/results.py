@@ -112,6 +112,7 @@ class RampStep(Model):
     e2e_p50_ms: float | None = None
     completed: int
     failed: int
+    duration_s: float | None = Field(None, description="Wall time of the step.")
     errors: list[str] = Field(default_factory=list, description="Distinct errors of failed requests.")
 
 

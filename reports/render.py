@@ -228,7 +228,8 @@ def systems_section(data: dict) -> str:
                                   "<b>queued</b>" if st["queued"] else "all ran at once",
                                   f"{fmt(st.get('ttft_p50_ms'), 0)} / {fmt(st.get('ttft_max_ms'), 0)}",
                                   fmt(st.get("tpot_p50_ms"), 1),
-                                  fmt(st.get("e2e_p50_ms"), 0), f"{st['completed']} / {st['failed']}"])
+                                  fmt(st.get("e2e_p50_ms"), 0), f"{st['completed']} / {st['failed']}",
+                                  fmt(st.get("duration_s"), 1)])
         lat = s.get("latency")
         roof = s.get("roofline")
         if roof:
@@ -283,7 +284,8 @@ def systems_section(data: dict) -> str:
                + "<p class='small muted'>The ramp, step by step: latency of the step's requests (TTFT "
                  "includes the batch's prefill; past the knee, its max includes the queued requests' wait).</p>"
                + table(["variant", "concurrency", "max running", "max waiting", "preemptions", "peak KV usage",
-                        "outcome", "TTFT p50 / max ms", "TPOT p50 ms", "e2e p50 ms", "ok / failed"], ramp_rows)
+                        "outcome", "TTFT p50 / max ms", "TPOT p50 ms", "e2e p50 ms", "ok / failed", "step wall s"],
+                       ramp_rows)
                if probe_rows else "")
             + f"<h2>Latency at fixed concurrency</h2><p class='small muted'>{escape(cell)}. {escape(timers)} "
               "One run per variant: differences under ~10–15% are within run-to-run noise here.</p>"

@@ -311,7 +311,7 @@ def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_bloc
     t = threading.Thread(target=poll, daemon=True)
     t.start()
     try:
-        recs, _ = loadgen.run_closed_loop(server.port, SERVED_NAME, prompts, output, len(prompts), timeout)
+        recs, wall = loadgen.run_closed_loop(server.port, SERVED_NAME, prompts, output, len(prompts), timeout)
     finally:
         done.set()
         t.join()
@@ -331,7 +331,7 @@ def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_bloc
                     ttft_p50_ms=p50(r.ttft for r in ok),
                     ttft_max_ms=max((r.ttft * 1000 for r in ok if r.ttft is not None), default=None),
                     tpot_p50_ms=p50(r.tpot for r in ok),
-                    e2e_p50_ms=p50(r.e2e for r in ok), completed=len(ok), failed=len(recs) - len(ok),
+                    e2e_p50_ms=p50(r.e2e for r in ok), completed=len(ok), failed=len(recs) - len(ok), duration_s=wall,
                     errors=sorted({r.error[:160] for r in recs if not r.ok}))
 
 
