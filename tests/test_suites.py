@@ -261,3 +261,19 @@ def test_admission_counts_whole_sequences_and_the_null_block():
     # 8 blocks of 128, one of them vLLM's null block (measured: tests/test_systems_engine.py)
     assert admitted(8, 128, 256) == 3 and admitted(8, 128, 128) == 7 and admitted(8, 128, 129) == 3
     assert admitted(182, 128, 320, 16) == 16 and admitted(182, 128, 1536, 16) == 15
+
+
+def test_only_the_two_benign_lm_eval_warnings_are_dropped(caplog):
+    import logging
+
+    from pipeline.stages.evaluate import quiet_lm_eval_warnings
+
+    quiet_lm_eval_warnings()
+    quiet_lm_eval_warnings()  # idempotent: one filter per logger
+    api, ev = logging.getLogger("lm_eval.models.api_models"), logging.getLogger("lm_eval.evaluator")
+    assert len(api.filters) == len(ev.filters) == 1
+    with caplog.at_level(logging.WARNING):
+        api.warning("Batch size > 1 detected. Ensure your API supports batched requests with varying ...")
+        ev.warning("pretrained=None appears to be an\\ninstruct or chat variant but chat template is not applied.")
+        api.warning("Automatic batch size is not supported for API models.")
+    assert [r.getMessage() for r in caplog.records] == ["Automatic batch size is not supported for API models."]

@@ -35,6 +35,28 @@ from pipeline.runstore import atomic_write_text, weight_bytes, write_json
 CORRECT_METRIC = "acc_norm"  # multiple choice: length-normalised loglikelihood argmax
 
 
+class _QuietLmEval:
+    """Drops two lm-eval warnings that do not apply here and would read as problems: the engine
+    serves batched requests of any lengths ("Batch size > 1 detected"), and generative suites
+    carry the model's chat template in their rendered prompts while multiple-choice suites score
+    plain text on purpose ("... chat template is not applied")."""
+
+    BENIGN = ("Batch size > 1 detected", "chat template is not applied")
+
+    def filter(self, record) -> bool:
+        msg = " ".join(record.getMessage().split())  # lm-eval re-wraps its text
+        return not any(b in msg for b in self.BENIGN)
+
+
+def quiet_lm_eval_warnings() -> None:
+    import logging
+
+    for name in ("lm_eval.models.api_models", "lm_eval.evaluator"):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, _QuietLmEval) for f in lg.filters):
+            lg.addFilter(_QuietLmEval())
+
+
 def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Path,
                 input_hash: str, tasks_dir: Path) -> QualityResult:
     """Every lm-eval suite in as few lm-eval calls as there are distinct limits, then drift."""
@@ -42,6 +64,7 @@ def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Pat
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
+    quiet_lm_eval_warnings()
     t0 = time.perf_counter()
     q = recipe.quality
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
