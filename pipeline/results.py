@@ -104,8 +104,10 @@ class RampStep(Model):
                              "non-zero below the knee while the token budget staggers long prompts.")
     preemptions: int = Field(description="Sequences preempted during the step (vllm:num_preemptions_total).")
     kv_usage_peak: float | None = Field(None, description="Peak vllm:kv_cache_usage_perc (0-1).")
-    queued: bool = Field(description="A request waited while the pool had no room for one more sequence (or "
+    queued: bool = Field(description="A request waited while the pool had no room to admit one more (or "
                          "max_num_seqs were running), or a sequence was preempted: past the knee.")
+    overlapped: bool = Field(True, description="All the step's requests were seen running together; a step "
+                             "that neither queued nor overlapped did not test admission.")
     ttft_p50_ms: float | None = None
     ttft_max_ms: float | None = Field(None, description="Past the knee: includes the queued requests' wait.")
     tpot_p50_ms: float | None = None

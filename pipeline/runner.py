@@ -233,8 +233,8 @@ def evaluate_inputs(recipe: Recipe, weights_hash: str, dtype: str, extra_args: l
     workload = recipe.workload.model_dump()
     if not workload["admission_probe"]:  # off: earlier results keep their keys
         del workload["admission_probe"]
-    else:  # the method is part of what the figures mean (a one-batch probe came before the ramp)
-        workload["admission_probe"] = "ramp"
+    else:  # the method is part of what the figures mean: a one-batch probe came first, then a ramp
+        workload["admission_probe"] = "ramp2"  # with an output sized from the token budget
     systems = hash_obj({**common, "workload": workload})
     return quality, systems
 

@@ -202,8 +202,8 @@ def systems_section(data: dict) -> str:
                              f"<i>not measured: {escape(s.get('error') or '')}</i>"] + [""] * 9)
             continue
         dev, dev_src = s.get("device_memory_peak_bytes"), s.get("device_memory_source") or ""
-        dev_txt = f" (device {mib(dev)}" + ("" if dev_src.startswith("per process")
-                                             else ", whole GPU − before start: approximate") + ")"
+        dev_txt = f" (device {mib(dev)}" + (", whole GPU − before start: approximate"
+                                             if dev_src.startswith("whole") else "") + ")"
         mem_rows.append([escape(name), mib(s.get("checkpoint_bytes")), mib(s.get("weight_memory_bytes")),
                          mib(s.get("peak_memory_bytes")) + (dev_txt if dev else ""),
                          fmt(kv.get("tokens")), fmt(kv.get("tokens_config")), fmt(kv.get("num_blocks")),
@@ -212,11 +212,12 @@ def systems_section(data: dict) -> str:
                          f"{fmt(kv.get('admission_sequences'))} (KV alone {fmt(kv.get('admission_kv_only'))})",
                          fmt(s.get("engine_start_s"), 0)])
         pr = kv.get("probe")
-        if pr:
+        if pr and "steps" in pr:  # (a run from before the ramp has a one-batch probe: not shown)
             probe_rows.append([escape(name), f"{pr['prompt_tokens']} + {pr['output_tokens']} "
                                f"({pr['blocks_per_sequence']} blocks)",
                                f"{pr['predicted']} ({escape(pr['binding'])} binds)",
-                               f"<b>{pr['knee']}</b>", fmt(pr.get("first_queued")), str(pr["requests"]),
+                               f"<b>{pr['knee']}</b>" if pr.get("first_queued") else f"≥ {pr['knee']} (not reached)",
+                               fmt(pr.get("first_queued")), str(pr["requests"]),
                                str(pr["preemptions"]),
                                fmt(pr["kv_usage_peak"], pct=True) if pr.get("kv_usage_peak") is not None else "–",
                                f"{fmt(kv.get('tokens'))} / {fmt(kv.get('tokens_config'))} / "
@@ -225,7 +226,8 @@ def systems_section(data: dict) -> str:
                 ramp_rows.append([escape(name), str(st["concurrency"]), str(st["max_running"]),
                                   str(st["max_waiting"]), str(st["preemptions"]),
                                   fmt(st["kv_usage_peak"], pct=True) if st.get("kv_usage_peak") is not None else "–",
-                                  "<b>queued</b>" if st["queued"] else "all ran at once",
+                                  "<b>queued</b>" if st["queued"] else ("all ran at once" if st.get("overlapped", True)
+                                                                       else "never all running: no test"),
                                   f"{fmt(st.get('ttft_p50_ms'), 0)} / {fmt(st.get('ttft_max_ms'), 0)}",
                                   fmt(st.get("tpot_p50_ms"), 1),
                                   fmt(st.get("e2e_p50_ms"), 0), f"{st['completed']} / {st['failed']}",

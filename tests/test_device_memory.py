@@ -74,6 +74,10 @@ def test_pids_hidden_by_a_namespace_fall_back_to_the_whole_device(smi, tree, mon
     m = MemorySampler(root, device_before=before, _gpu=True)
     m._sample()
     assert (m.peak_device, m.device_source) == (0, None)  # nothing runs on the GPU yet
+    smi("", "0, GPU-a, 1800\n1, GPU-b, 500\n")  # no process listed at all, yet memory in use rose
+    m._ticks = 0
+    m._sample()
+    assert (m.peak_device, m.device_source) == (800 * 2**20, WHOLE_DEVICE)
     smi("4242, 3000\n", "0, GPU-a, 3500\n1, GPU-b, 500\n")  # a PID nvidia-smi sees, not ours
     m._ticks = 0
     m._sample()

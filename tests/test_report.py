@@ -132,3 +132,24 @@ def test_admission_ramp_is_reported_step_by_step(run):
     assert rows[:5] == ["1", "2", "4", "7", "8"]
     assert ramp.count("<b>queued</b>") == 1 and ramp.count("all ran at once") == 4
     assert "800 / 1700" in ramp  # the queued request's wait shows in the step's max TTFT
+
+
+def test_knee_not_reached_old_probes_and_device_memory_source(run):
+    p = run / "v4" / "systems.json"
+    d = json.loads(p.read_text())
+    step = {"concurrency": 8, "max_running": 5, "max_waiting": 3, "preemptions": 0, "kv_usage_peak": 0.4,
+            "queued": False, "overlapped": False, "completed": 8, "failed": 0}
+    d["kv"]["probe"] = {"prompt_tokens": 112, "output_tokens": 16, "blocks_per_sequence": 1, "predicted": 15,
+                        "binding": "kv", "steps": [step], "knee": 4, "first_queued": None, "requests": 8,
+                        "max_running": 5, "preemptions": 0, "completed": 8, "note": "ramp stopped"}
+    d.update(device_memory_peak_bytes=3 * 2**30, device_memory_source="whole GPU in use minus before")
+    p.write_text(json.dumps(d))
+    b = run / "baseline" / "systems.json"
+    db = json.loads(b.read_text())  # a run from before the ramp: its one-batch probe is not shown
+    db["kv"]["probe"] = {"prompt_tokens": 112, "output_tokens": 16, "requests": 9, "max_running": 7}
+    db.update(device_memory_peak_bytes=2**30)  # from before the source was recorded: per process
+    b.write_text(json.dumps(db))
+    html = render_run(run).read_text()
+    assert "≥ 4 (not reached)" in html and "never all running: no test" in html
+    assert "(device 3,072 MiB, whole GPU − before start: approximate)" in html
+    assert "(device 1,024 MiB)" in html

@@ -118,7 +118,7 @@ def test_find_knee_ramps_to_the_first_queueing_step(true_knee, predicted, steps)
         sent.append(c)
         return c > true_knee
 
-    assert find_knee(predicted, step) == (true_knee, true_knee + 1)
+    assert find_knee(predicted, step) == (true_knee, true_knee + 1, None)
     assert sent == steps
 
 
@@ -126,5 +126,30 @@ def test_find_knee_stops_looking_past_the_prediction():
     from pipeline.stages.evaluate import find_knee
 
     sent = []
-    knee, first = find_knee(4, lambda c: sent.append(c) or False, beyond=3)
-    assert (knee, first) == (7, None) and sent == [1, 2, 4, 5, 6, 7]
+    assert find_knee(4, lambda c: sent.append(c) or False, beyond=3) == (7, None, None)
+    assert sent == [1, 2, 4, 5, 6, 7]
+
+
+def test_find_knee_stops_at_a_step_that_cannot_tell():
+    from pipeline.stages.evaluate import find_knee
+
+    # requests that never all ran together (and none waited for KV) say nothing about admission
+    assert find_knee(15, lambda c: None if c >= 8 else False) == (4, None, 8)
+    assert find_knee(15, lambda c: {15: True, 11: None}.get(c, False)) == (8, 15, 11)  # while bisecting
+
+
+@pytest.mark.parametrize("usable,block,seqs,max_len,expect", [
+    (7, 128, 8, 512, (1, 112, 16)),          # the engine test's 4 MiB pool
+    (181, 128, 16, 2048, (12, 1510, 26)),    # default model, 1 GiB pool, CPU: 12 engine steps to admit 16
+    (181, 128, 16, 1024, (8, 1003, 21)),     # max_model_len caps the sequence: max_num_seqs binds
+    (29000, 16, 256, 8192, (114, 1474, 350)),  # a large GPU pool: output spans blocks, 228 steps to admit
+])
+def test_probe_shape(usable, block, seqs, max_len, expect):
+    from pipeline.stages.evaluate import MIN_TOKEN_BUDGET, probe_shape
+
+    bps, prompt, output = probe_shape(usable, block, seqs, max_len)
+    assert (bps, prompt, output) == expect
+    assert prompt + output == bps * block <= max_len and prompt >= 16
+    predicted = min(usable // bps, seqs)
+    admit_steps = -(-(predicted + 1) * bps * block // MIN_TOKEN_BUDGET)
+    assert output > admit_steps  # the last request is admitted while the first still decodes

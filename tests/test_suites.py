@@ -274,6 +274,6 @@ def test_only_the_two_benign_lm_eval_warnings_are_dropped(caplog):
     assert len(api.filters) == len(ev.filters) == 1
     with caplog.at_level(logging.WARNING):
         api.warning("Batch size > 1 detected. Ensure your API supports batched requests with varying ...")
-        ev.warning("pretrained=None appears to be an\\ninstruct or chat variant but chat template is not applied.")
+        ev.warning("pretrained=/a/long/path appears to be an instruct or chat variant but chat\n  template is not applied.")
         api.warning("Automatic batch size is not supported for API models.")
     assert [r.getMessage() for r in caplog.records] == ["Automatic batch size is not supported for API models."]

@@ -41,7 +41,7 @@ def test_loaded_weights_and_measured_admission_knee(tmp_path):
     assert [s.concurrency for s in probe.steps] == [1, 2, 4, 7, 8]
     assert (probe.knee, probe.first_queued) == (7, 8), probe
     for st in probe.steps[:-1]:  # below and at the knee every request ran at once
-        assert st.max_running == st.concurrency and not st.queued and st.preemptions == 0, st
+        assert st.max_running == st.concurrency and st.overlapped and not st.queued and st.preemptions == 0, st
         assert st.completed == st.concurrency and st.ttft_p50_ms and st.tpot_p50_ms and st.duration_s > 0
     past = probe.steps[-1]  # one past it waited while the pool was full, and was not preempted
     assert past.queued and past.max_running == 7 and past.max_waiting >= 1 and past.preemptions == 0, past

@@ -128,9 +128,9 @@ class MemorySampler:
 
     def _device_bytes(self, pids: set[int]) -> tuple[int, str | None]:
         """Device memory of these processes (MiB resolution) and how it was attributed. When
-        nvidia-smi lists compute processes but none of these PIDs (a PID namespace), the whole
-        device's use above what it was before the engine started; also when it lists no per-process
-        figure ("[N/A]", as under MIG or some containers)."""
+        nvidia-smi lists none of these PIDs with a figure (a container's PID namespace can list
+        other PIDs or none; MIG and some containers say "[N/A]"), the whole device's use above
+        what it was before the engine started."""
         apps = _smi("--query-compute-apps=pid,used_memory")
         if apps is None:
             return 0, None
@@ -138,7 +138,7 @@ class MemorySampler:
         mine = [int(r[1]) * 2**20 for r in listed if int(r[0]) in pids and r[1].isdigit()]
         if mine:
             return sum(mine), PER_PROCESS
-        if listed and self.device_before is not None:  # not our PIDs, or used memory "[N/A]"
+        if self.device_before is not None:  # PIDs not ours or not listed at all, or memory "[N/A]"
             used = device_used_bytes()
             if used is not None:
                 return max(0, used - self.device_before), WHOLE_DEVICE

@@ -285,12 +285,13 @@ GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cac
           "vllm:num_preemptions_total")
 
 
-def find_knee(predicted: int, step, beyond: int = 3) -> tuple[int, int | None]:
+def find_knee(predicted: int, step, beyond: int = 3) -> tuple[int, int | None, int | None]:
     """The admission knee by ramping concurrency: step(c) sends c fixed-shape requests at once and
-    says whether any queued. Doubling from 1 while below the prediction, then the prediction and
+    says whether any queued (True), none did (False), or the step cannot tell (None: the requests
+    never all ran together). Doubling from 1 while below the prediction, then the prediction and
     one past it; a step that queues sooner is bisected against the last clean one; if the
     prediction + 1 still runs clean, one more at a time, at most `beyond` past the prediction.
-    Returns (knee, first concurrency that queued or None)."""
+    Returns (knee, first concurrency that queued or None, concurrency that could not tell or None)."""
     ladder, c = [], 1
     while c < predicted:
         ladder.append(c)
@@ -298,25 +299,54 @@ def find_knee(predicted: int, step, beyond: int = 3) -> tuple[int, int | None]:
     ladder += [max(1, predicted) + i for i in range(beyond + 1)]
     clean, queued = 0, None
     for c in ladder:
-        if step(c):
+        outcome = step(c)
+        if outcome is None:
+            return clean, None, c
+        if outcome:
             queued = c
             break
         clean = c
     while queued is not None and queued - clean > 1:
         mid = (clean + queued) // 2
-        if step(mid):
+        outcome = step(mid)
+        if outcome is None:
+            return clean, queued, mid
+        if outcome:
             queued = mid
         else:
             clean = mid
-    return clean, queued
+    return clean, queued, None
 
 
-def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_blocks: int, bps: int,
+# vLLM's OpenAI server admits at most this many prompt tokens per engine step by default on CPU
+# and on GPUs under 70 GB (8,192 / 16,384 on larger ones): the probe's output length is sized
+# from it so that a step's requests are all admitted before the first of them finishes
+MIN_TOKEN_BUDGET = 2048
+
+
+def probe_shape(usable: int, block: int, max_num_seqs: int, max_model_len: int) -> tuple[int, int, int]:
+    """(blocks per sequence, prompt tokens, output tokens) of the admission probe: whole blocks, the
+    fewest per sequence that make the KV pool bind before max_num_seqs (as max_model_len allows);
+    the output long enough that every request of a step is admitted (a little over one token budget
+    of prompt per engine step) while the first is still decoding."""
+    bps = max(1, -(-(usable + 1) // max_num_seqs))  # fewest blocks/sequence for KV to bind
+    bps = min(bps, max(1, max_model_len // block))  # else the pool outlasts max_num_seqs sequences
+    predicted = min(usable // bps, max_num_seqs)
+    admit_steps = -(-(predicted + 1) * bps * block // MIN_TOKEN_BUDGET)
+    output = max(16, admit_steps * 3 // 2 + 8)
+    while output > bps * block - 16 and (bps + 1) * block <= max_model_len:  # room for a prompt
+        bps += 1
+    output = min(output, bps * block - 16) if bps * block > 32 else max(2, bps * block // 2)
+    return bps, bps * block - output, output
+
+
+def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_blocks: int, prompt_blocks: int,
               max_num_seqs: int, timeout: float, poll_s: float = 0.05) -> RampStep:
-    """Send every prompt at once and poll the engine's scheduler gauges while they run. The step
-    queued if a request waited while the pool had no room for one more sequence (or max_num_seqs
-    were running), or if a sequence was preempted. Waiting alone is not queueing: below the knee,
-    the token budget (max_num_batched_tokens) also admits long prompts a few per engine step."""
+    """Send every prompt at once and poll the engine's scheduler gauges while they run. Queued: a
+    request waited while the pool had no room to admit one more (vLLM reserves a prompt's blocks
+    when it admits it) or max_num_seqs were running, or a sequence was preempted. Waiting alone is
+    not queueing: below the knee the token budget admits long prompts a few per engine step. If
+    neither, the step is clean only if all its requests were seen running together."""
     import threading
 
     samples: list[dict] = []
@@ -341,17 +371,22 @@ def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_bloc
     samples.append(server.gauges(GAUGES))
     preempted = int(samples[-1]["vllm:num_preemptions_total"] - start["vllm:num_preemptions_total"])
 
-    def full(g: dict) -> bool:  # no room for one more sequence of the probe shape
+    def full(g: dict) -> bool:  # no room to admit one more request of the probe shape
         free = round(usable_blocks * (1 - g["vllm:kv_cache_usage_perc"]))
-        return free < bps or g["vllm:num_requests_running"] >= max_num_seqs
+        return free < prompt_blocks or g["vllm:num_requests_running"] >= max_num_seqs
 
     queued = preempted > 0 or any(g["vllm:num_requests_waiting"] > 0 and full(g) for g in samples)
+    running = int(max(g["vllm:num_requests_running"] for g in samples))
     ok = [r for r in recs if r.ok]
+    # all ran together: seen by the poll, or, poll-free, every request had its first token (so was
+    # admitted) before any finished (the requests are sent together)
+    overlapped = running >= len(prompts) or (len(ok) == len(recs) and ok and all(r.ttft is not None for r in ok)
+                                             and max(r.ttft for r in ok) < min(r.e2e for r in ok))
     p50 = lambda xs: stats.percentiles([x * 1000 for x in xs if x is not None])["p50"]  # noqa: E731
-    return RampStep(concurrency=len(prompts), max_running=int(max(g["vllm:num_requests_running"] for g in samples)),
+    return RampStep(concurrency=len(prompts), max_running=running,
                     max_waiting=int(max(g["vllm:num_requests_waiting"] for g in samples)), preemptions=preempted,
                     kv_usage_peak=max(g["vllm:kv_cache_usage_perc"] for g in samples) or None, queued=queued,
-                    ttft_p50_ms=p50(r.ttft for r in ok),
+                    overlapped=bool(overlapped), ttft_p50_ms=p50(r.ttft for r in ok),
                     ttft_max_ms=max((r.ttft * 1000 for r in ok if r.ttft is not None), default=None),
                     tpot_p50_ms=p50(r.tpot for r in ok),
                     e2e_p50_ms=p50(r.e2e for r in ok), completed=len(ok), failed=len(recs) - len(ok), duration_s=wall,
@@ -360,42 +395,50 @@ def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_bloc
 
 def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity, timeout: float,
                     poll_s: float = 0.05) -> AdmissionProbe | None:
-    """The admission knee, measured by a concurrency ramp (find_knee) of one request shape that fills
-    whole KV blocks, long enough that the KV pool binds before max_num_seqs when max_model_len
-    allows; every step is a fresh batch of distinct prompts sent at once (ramp_step)."""
+    """The admission knee, measured by a concurrency ramp (find_knee) of one request shape
+    (probe_shape); every step is a fresh batch of distinct prompts sent at once (ramp_step). An
+    error mid-ramp ends it; the steps measured so far are kept and the note says why."""
     if not (kv.num_blocks and kv.block_size):
         return None
     block, usable = kv.block_size, kv.num_blocks - 1  # vLLM's block pool keeps one as its null block
-    # output shorter than a block: vLLM reserves the blocks of the whole prompt when it admits a
-    # request, so the prompt alone already holds every block of the sequence and admission is
-    # decided by whole sequences
-    output = max(2, min(16, block // 2))
-    bps = max(1, -(-(usable + 1) // engine.max_num_seqs))  # fewest blocks/sequence for KV to bind
-    bps = min(bps, max(1, engine.max_model_len // block))  # else the pool outlasts max_num_seqs sequences
-    prompt = bps * block - output
+    bps, prompt, output = probe_shape(usable, block, engine.max_num_seqs, engine.max_model_len)
+    prompt_blocks = -(-prompt // block)
     kv_only = admitted(kv.num_blocks, block, bps * block)
     if kv_only < 1:
         return None
     predicted = min(kv_only, engine.max_num_seqs)
     binding = "kv" if kv_only < engine.max_num_seqs else "max_num_seqs"
     steps: dict[int, RampStep] = {}
+    error = None
 
-    def step(c: int) -> bool:
-        steps[c] = ramp_step(server, stream.take(c, prompt), output, usable, bps, engine.max_num_seqs,
-                             timeout, poll_s)
-        return steps[c].queued
+    def step(c: int) -> bool | None:
+        nonlocal error
+        try:
+            st = steps[c] = ramp_step(server, stream.take(c, prompt), output, usable, prompt_blocks,
+                                      engine.max_num_seqs, timeout, poll_s)
+        except (OSError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            return None
+        return True if st.queued else (False if st.overlapped else None)
 
-    knee, first_queued = find_knee(predicted, step)
+    knee, first_queued, unclear = find_knee(predicted, step)
+    if not steps:
+        raise ValueError(f"admission probe: {error}")
     ordered = [steps[c] for c in sorted(steps)]
     at_knee = steps.get(knee)
     preempted = sum(s.preemptions for s in ordered)
     empirical = None
     if binding == "kv" and at_knee and at_knee.max_running == knee and not at_knee.preemptions \
-            and at_knee.kv_usage_peak:
+            and at_knee.kv_usage_peak and output < block:
         # blocks in use at the knee (sequences x their blocks) over the engine's usage gauge: the
         # blocks that can hold sequences, without reading the engine's block count
         empirical = round(knee * bps / at_knee.kv_usage_peak) * block
-    if first_queued is None:
+    if error:
+        note = f"ramp stopped at {unclear} concurrent requests by an error: {error}"
+    elif unclear is not None:
+        note = (f"ramp stopped at {unclear} concurrent requests: they never all ran together (at most "
+                f"{steps[unclear].max_running}) and none waited for KV, so admission was not tested there")
+    elif first_queued is None:
         note = f"no step queued up to {max(steps)} concurrent requests ({predicted} predicted)"
     elif knee == predicted:
         left = usable - kv_only * bps
