@@ -105,6 +105,8 @@ def test_sigkill_at_several_points_then_resume(tmp_path):
 
     # 4: a variant that fails (its quantization times out) ends FAILED-TO-RUN; the others
     # keep their results and the run exits 1. No engine is needed for any of it.
+    ckpts = Path(env.get("QUANTIZE_EVAL_HOME", Path.home() / ".cache" / "quantize-eval")) / "checkpoints"
+    tmps_before = set(ckpts.glob("*.tmp*"))  # the shared cache may hold other killed runs' leftovers
     recipe["variants"].append({"name": "gptq", "scheme": "gptq_w4a16", "group_size": 64})
     recipe["calibration"]["timeout_s"] = 0.5  # not part of the checkpoint key: rtn stays cached
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
@@ -116,8 +118,7 @@ def test_sigkill_at_several_points_then_resume(tmp_path):
     verdicts = {v["variant"]: v["verdict"] for v in so["variants"]}
     assert verdicts["gptq"] == "FAILED-TO-RUN" and verdicts["rtn"] in ("PASS", "WARN")
     assert "FAILED-TO-RUN" in (run_dir / "report.html").read_text()
-    assert not list(Path(env.get("QUANTIZE_EVAL_HOME", Path.home() / ".cache" / "quantize-eval"))
-                    .joinpath("checkpoints").glob("*.tmp*")), "a half-written checkpoint was left"
+    assert not set(ckpts.glob("*.tmp*")) - tmps_before, "this run left a half-written checkpoint"
 
     # 5: changing only the workload re-measures systems and nothing else
     recipe["variants"].pop()
