@@ -134,8 +134,8 @@ class MemorySampler:
         apps = _smi("--query-compute-apps=pid,used_memory")
         if apps is None:
             return 0, None
-        listed = [r for r in apps if len(r) == 2 and r[0].isdigit()]
-        mine = [int(r[1]) * 2**20 for r in listed if int(r[0]) in pids and r[1].isdigit()]
+        mine = [int(r[1]) * 2**20 for r in apps
+                if len(r) == 2 and r[0].isdigit() and int(r[0]) in pids and r[1].isdigit()]
         if mine:
             return sum(mine), PER_PROCESS
         if self.device_before is not None:  # PIDs not ours or not listed at all, or memory "[N/A]"

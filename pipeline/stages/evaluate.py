@@ -331,7 +331,7 @@ def probe_shape(usable: int, block: int, max_num_seqs: int, max_model_len: int) 
     of prompt per engine step) while the first is still decoding."""
     bps = max(1, -(-(usable + 1) // max_num_seqs))  # fewest blocks/sequence for KV to bind
     bps = min(bps, max(1, max_model_len // block))  # else the pool outlasts max_num_seqs sequences
-    predicted = min(usable // bps, max_num_seqs)
+    predicted = admitted(usable + 1, block, bps * block, max_num_seqs)
     admit_steps = -(-(predicted + 1) * bps * block // MIN_TOKEN_BUDGET)
     output = max(16, admit_steps * 3 // 2 + 8)
     while output > bps * block - 16 and (bps + 1) * block <= max_model_len:  # room for a prompt
