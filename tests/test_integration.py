@@ -45,7 +45,9 @@ def run(tmp_path_factory):
                      "warmup_requests": 1,
                      "matrix": [{"prompt_tokens": 32, "output_tokens": 8, "concurrency": 1},
                                 {"prompt_tokens": 64, "output_tokens": 8, "concurrency": 2, "prefix": "shared"}]},
-        "gates": [{"metric": "checkpoint_bytes_ratio", "op": "<=", "threshold": 0.9},
+        # <= 1.0: the kvfp8 variant keeps the base weights, and where the CPU runs an FP8 KV cache
+        # (AVX-512) it is measured and judged too; the verdict must not depend on the CPU kind
+        "gates": [{"metric": "checkpoint_bytes_ratio", "op": "<=", "threshold": 1.0},
                   {"metric": "accuracy_delta", "op": ">=", "threshold": -1.0}],
         "runs_dir": str(tmp / "runs"),
     }
@@ -187,15 +189,21 @@ def test_quantized_checkpoint_really_differs(run):
         assert sysr["status"] == "ok" and sysr["latency"]["completed"] == 4
 
 
+def evaluated(run) -> list[str]:
+    """What the first run evaluated: everything but the FP8-KV variant where this CPU cannot run it."""
+    kv_native = load(run, "kvfp8", "support.json")["mode"] != "unsupported"
+    return ["baseline", "awq", "w8a8", "imported"] + (["kvfp8"] if kv_native else [])
+
+
 def test_rerun_resumes_without_recomputing(run):
     engine_logs = {n: (run["dir"] / n / "engine.log").stat().st_mtime_ns
-                   for n in ("baseline", "awq", "w8a8", "imported") if (run["dir"] / n / "engine.log").exists()}
+                   for n in evaluated(run) if (run["dir"] / n / "engine.log").exists()}
     again = subprocess.run(run["cmd"], capture_output=True, text=True, cwd=run["tmp"], env=run["env"],
                            timeout=900)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert f"resuming: {run['dir']}" in again.stdout
     assert "quantize: done earlier" in again.stdout
-    assert again.stdout.count("evaluate: done earlier") == 4  # baseline, awq, w8a8, imported
+    assert again.stdout.count("evaluate: done earlier") == len(evaluated(run))
     assert "starting engine" not in again.stdout
     assert load(run, "signoff.json")["verdict"] == json.loads(
         (run["dir"] / "results.json").read_text())["signoff"]["verdict"]
@@ -240,7 +248,7 @@ def test_adding_a_variant_costs_only_that_variant(run):
     assert f"resuming: {run['dir']}" in again.stdout
     starts = [line for line in again.stdout.splitlines() if "starting engine" in line]
     assert len(starts) == 1 and "mine |" in starts[0]
-    assert again.stdout.count("evaluate: done earlier") == 4  # baseline, awq, w8a8, imported
+    assert again.stdout.count("evaluate: done earlier") == len(evaluated(run))
     assert "1 engine start(s)" in again.stdout
     assert [v["variant"] for v in load(run, "signoff.json")["variants"]] == ["awq", "w8a8", "imported", "kvfp8",
                                                                             "mine"]
