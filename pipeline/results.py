@@ -88,6 +88,15 @@ class QualityResult(StageResult):
     lm_eval_version: str | None = None
     settings: dict = Field(default_factory=dict)
 
+    def overall(self) -> tuple[int, int]:
+        """(correct, n) over every scored item of every suite: the one definition of overall
+        accuracy that sign-off, the report and `compare` read."""
+        return sum(s.correct for s in self.suites.values()), sum(s.n for s in self.suites.values())
+
+    def overall_accuracy(self) -> float | None:
+        k, n = self.overall()
+        return k / n if n else None
+
 
 class Percentiles(Model):
     p50: float | None
