@@ -31,7 +31,7 @@ from pipeline import provenance, runner, stats  # noqa: E402
 from pipeline import recipe as recipe_mod  # noqa: E402
 from pipeline.engines import loadgen  # noqa: E402
 from pipeline.engines.server import SERVED_NAME, Server  # noqa: E402
-from pipeline.stages.evaluate import latency_prompts  # noqa: E402  (same prompts as the pipeline)
+from pipeline.prompts import latency_prompts  # noqa: E402  (same prompts as the pipeline)
 
 # `vllm bench serve` through the CLI entry point dies with SIGILL on AVX2-only CPUs (the CLI
 # imports the AVX512 build of vllm._C) and looks up a distribution named "vllm", which

@@ -24,9 +24,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-    from pipeline import envs, provenance, runner
+    from pipeline import envs, keys, provenance, runner
     from pipeline import recipe as recipe_mod
+    from pipeline.outcome import Spent
     from pipeline.runstore import hash_obj
+    from pipeline.stages import quantize as quantize_stage
 
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     cold = "--cold" in sys.argv
@@ -46,11 +48,11 @@ def main() -> int:
             vdir = Path(tmp) / v.name
             vdir.mkdir()
             if cold:  # drop this variant's cached checkpoint so the figure is measured now
-                key_probe = runner.quantize_key(recipe, v, model_id)
+                key_probe = keys.quantize_key(recipe, v, model_id)
                 shutil.rmtree(envs.home() / "checkpoints" / key_probe[:24], ignore_errors=True)
             t0 = time.perf_counter()
             try:
-                qr = runner.quantize(recipe, v, model_dir, model_id, vdir)
+                qr = quantize_stage.quantize(recipe, v, model_dir, model_id, vdir, Spent())
             except Exception as exc:  # one scheme failing must not hide the others' figures
                 print(f"{v.name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
                 continue

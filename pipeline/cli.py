@@ -27,12 +27,9 @@ def fail(msg: str) -> int:
     return USAGE_ERROR
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in ("run", "validate", "report", "compare", "make-legacy", "_stage", "-h", "--help"):
-        argv.insert(0, "run")
-    parser = argparse.ArgumentParser(prog="quantize-eval", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quantize-eval", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
     p_run = sub.add_parser("run", help="run a recipe end to end")
     p_run.add_argument("recipe")
     p_run.add_argument("--fresh", action="store_true", help="start a new run folder, no resume")
@@ -56,66 +53,57 @@ def main(argv: list[str] | None = None) -> int:
     p_leg.add_argument("out_dir")
     p_leg.add_argument("--format", choices=("gptq", "awq"), required=True)
     p_leg.add_argument("--group", type=int, default=64)
+    return p
+
+
+def cmd_compare(args) -> int:
+    from reports.compare import CompareError, compare
+
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return USAGE_ERROR if exc.code else 0
-
-    from pipeline.recipe import RecipeError, load
-
-    if args.cmd == "compare":
-        from reports.compare import CompareError, compare
-
-        try:
-            lines, regressed, alike = compare(Path(args.run_a), Path(args.run_b))
-        except CompareError as exc:
-            return fail(str(exc))
-        print("\n".join(lines))
-        return 1 if regressed else (3 if not alike else 0)
-
-    if args.cmd == "make-legacy":
-        from pipeline import legacy_formats
-
-        src, out = Path(args.model_dir), Path(args.out_dir)
-        if not (src / "config.json").is_file():
-            return fail(f"{src}: not a model directory (no config.json)")
-        if (out / "config.json").exists():
-            return fail(f"{out}: already holds a checkpoint; remove it or pick another folder")
-        try:
-            legacy_formats.write(src, out, args.format, args.group)
-        except (ValueError, RuntimeError, KeyError) as exc:
-            return fail(f"{src}: cannot write a {args.format} checkpoint: {str(exc).splitlines()[0]}")
-        print(out)
-        return 0
-
-    if args.cmd == "report":
-        from reports.render import ReportError, render_run
-
-        try:
-            print(render_run(Path(args.run_dir)))
-        except ReportError as exc:
-            return fail(str(exc))
-        return 0
-    try:
-        recipe = load(args.recipe)
-    except RecipeError as exc:
+        lines, regressed, alike = compare(Path(args.run_a), Path(args.run_b))
+    except CompareError as exc:
         return fail(str(exc))
-    if getattr(args, "ray", None):
-        ex = recipe.executor.model_copy(update={"kind": "ray", "address": None if args.ray == "local" else args.ray})
-        recipe = recipe.model_copy(update={"executor": ex})
-    if args.cmd == "_stage":
+    print("\n".join(lines))
+    return 1 if regressed else (3 if not alike else 0)
+
+
+def cmd_make_legacy(args) -> int:
+    from pipeline import legacy_formats
+
+    src, out = Path(args.model_dir), Path(args.out_dir)
+    if not (src / "config.json").is_file():
+        return fail(f"{src}: not a model directory (no config.json)")
+    if (out / "config.json").exists():
+        return fail(f"{out}: already holds a checkpoint; remove it or pick another folder")
+    try:
+        legacy_formats.write(src, out, args.format, args.group)
+    except (ValueError, RuntimeError, KeyError) as exc:
+        return fail(f"{src}: cannot write a {args.format} checkpoint: {str(exc).splitlines()[0]}")
+    print(out)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from reports.render import ReportError, render_run
+
+    try:
+        print(render_run(Path(args.run_dir)))
+    except ReportError as exc:
+        return fail(str(exc))
+    return 0
+
+
+def cmd_validate(args, recipe) -> int:
+    print(f"{args.recipe}: ok ({len(recipe.variants)} variant(s) + baseline, {len(recipe.gates)} gate(s))")
+    if args.support:
         from pipeline import runner
 
-        return runner.stage_main(recipe, Path(args.recipe), Path(args.run_dir), args.variant, args.stage)
-    if args.cmd == "validate":
-        print(f"{args.recipe}: ok ({len(recipe.variants)} variant(s) + baseline, "
-              f"{len(recipe.gates)} gate(s))")
-        if args.support:
-            from pipeline import runner
+        for name, d in runner.support_table(recipe):
+            print(f"  {name:>24}  {d.mode:<11} {d.reason}")
+    return 0
 
-            for name, d in runner.support_table(recipe):
-                print(f"  {name:>24}  {d.mode:<11} {d.reason}")
-        return 0
+
+def cmd_run(args, recipe) -> int:
     import signal
 
     from pipeline import runner
@@ -130,9 +118,37 @@ def main(argv: list[str] | None = None) -> int:
     except runner.PreflightError as exc:
         return fail(str(exc))
     except KeyboardInterrupt:
-        print("\ninterrupted: finished stages are kept; rerun the same command to resume",
-              file=sys.stderr)
+        print("\ninterrupted: finished stages are kept; rerun the same command to resume", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in ("run", "validate", "report", "compare", "make-legacy", "_stage", "-h", "--help"):
+        argv.insert(0, "run")
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as exc:
+        return USAGE_ERROR if exc.code else 0
+    no_recipe = {"compare": cmd_compare, "make-legacy": cmd_make_legacy, "report": cmd_report}
+    if args.cmd in no_recipe:
+        return no_recipe[args.cmd](args)
+    from pipeline.recipe import RecipeError, load
+
+    try:
+        recipe = load(args.recipe)
+    except RecipeError as exc:
+        return fail(str(exc))
+    if getattr(args, "ray", None):
+        ex = recipe.executor.model_copy(update={"kind": "ray", "address": None if args.ray == "local" else args.ray})
+        recipe = recipe.model_copy(update={"executor": ex})
+    if args.cmd == "_stage":
+        from pipeline import runner
+
+        return runner.stage_main(recipe, Path(args.recipe), Path(args.run_dir), args.variant, args.stage)
+    if args.cmd == "validate":
+        return cmd_validate(args, recipe)
+    return cmd_run(args, recipe)
 
 
 if __name__ == "__main__":

@@ -66,14 +66,6 @@ def env_dir(kind: str) -> Path:
     return home() / "envs" / f"{kind}-{req.stem}-{key}"
 
 
-def python_of(kind: str) -> Path:
-    return env_dir(kind) / "bin" / "python"
-
-
-def is_ready(kind: str) -> bool:
-    return (env_dir(kind) / READY).exists()
-
-
 def _run(cmd: list[str], log) -> None:
     log.write("$ " + " ".join(cmd) + "\n")
     log.flush()

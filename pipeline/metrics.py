@@ -1,13 +1,125 @@
-"""The metrics a gate may name: one place that says what each means and where it comes from.
+"""The metrics a gate may name: what each means, and the one function that computes it.
 
-A metric is computed from one variant's results and the baseline's. Metrics with a
-confidence interval are gated on its conservative end (see pipeline/stages/signoff.py),
-so a gate on a few hundred items cannot pass on luck.
+A metric is computed from one variant's results and the baseline's (`Inputs`); `Metric.read`
+returns its value and, where it has one, its 95% CI. Metrics with a confidence interval are
+gated on its conservative end (pipeline/stages/signoff.py), so a gate on a few hundred items
+cannot pass on luck.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipeline import stats
+from pipeline.results import Measured, PairedDrift, PairedSlice, QualityResult, SystemsResult
+
+NONE = Measured(value=None)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a metric may read for one variant: its results, the baseline's systems result, and the
+    paired comparisons sign-off computed (per suite and slice, and on the drift corpus)."""
+
+    quality: QualityResult | None = None
+    systems: SystemsResult | None = None
+    base_systems: SystemsResult | None = None
+    paired: list[PairedSlice] = field(default_factory=list)
+    drift: PairedDrift | None = None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b in (None, 0):
+        return None
+    return a / b
+
+
+def _served(inp: Inputs) -> tuple[SystemsResult, SystemsResult] | None:
+    """Both systems results, when both were measured with traffic (not skipped or failed)."""
+    v, b = inp.systems, inp.base_systems
+    if v is None or b is None or v.latency is None or b.latency is None or v.status != "ok" or b.status != "ok":
+        return None
+    return v, b
+
+
+def accuracy(inp: Inputs, scope: str) -> Measured:
+    q = inp.quality
+    if "/" in scope:  # one slice of a suite
+        suite, key = scope.split("/", 1)
+        st = q.suites[suite].slices.get(key) if suite in q.suites else None
+        if st is None:
+            return NONE
+        return Measured(value=st.accuracy, ci_low=st.ci_low, ci_high=st.ci_high)
+    k, n = q.overall() if scope == "overall" else (q.suites[scope].correct, q.suites[scope].n)
+    lo, hi = stats.wilson(k, n)
+    return Measured(value=k / n if n else None, ci_low=lo, ci_high=hi)
+
+
+def accuracy_delta(inp: Inputs, scope: str) -> Measured:
+    ps = next((p for p in inp.paired if p.slice == scope), None)
+    if ps is None and "/" in scope:  # a slice covering its whole suite is reported as the suite row
+        suite, key = scope.split("/", 1)
+        q = inp.quality
+        st = q.suites[suite].slices.get(key) if suite in q.suites else None
+        if st is not None and st.n == q.suites[suite].n:
+            ps = next((p for p in inp.paired if p.slice == suite), None)
+    if ps is None:
+        return NONE
+    return Measured(value=ps.delta, ci_low=ps.delta_ci_low, ci_high=ps.delta_ci_high)
+
+
+def _drift(value: str, ci: str) -> Callable[[Inputs, str], Measured]:
+    def read(inp: Inputs, scope: str) -> Measured:
+        d = inp.drift
+        if d is None:
+            return NONE
+        return Measured(value=getattr(d, value), ci_low=getattr(d, f"{ci}_ci_low"), ci_high=getattr(d, f"{ci}_ci_high"))
+    return read
+
+
+def _latency_ratio(kind: str, pct: str) -> Callable[[Inputs, str], Measured]:
+    def read(inp: Inputs, scope: str) -> Measured:
+        both = _served(inp)
+        if both is None:
+            return NONE
+        v, b = (getattr(getattr(x.latency, f"{kind}_ms"), pct) for x in both)
+        return Measured(value=_ratio(v, b))
+    return read
+
+
+def _latency_ms(kind: str, pct: str) -> Callable[[Inputs, str], Measured]:
+    def read(inp: Inputs, scope: str) -> Measured:
+        both = _served(inp)
+        return Measured(value=getattr(getattr(both[0].latency, f"{kind}_ms"), pct)) if both else NONE
+    return read
+
+
+def error_rate(inp: Inputs, scope: str) -> Measured:
+    both = _served(inp)
+    if both is None:
+        return NONE
+    lat = both[0].latency
+    total = lat.completed + lat.failed + lat.timed_out
+    return Measured(value=(lat.failed + lat.timed_out) / total if total else None)
+
+
+def checkpoint_bytes_ratio(inp: Inputs, scope: str) -> Measured:
+    v, b = inp.systems, inp.base_systems
+    return Measured(value=_ratio(v.checkpoint_bytes if v else None, b.checkpoint_bytes if b else None))
+
+
+def peak_memory_ratio(inp: Inputs, scope: str) -> Measured:
+    both = _served(inp)
+    return Measured(value=_ratio(both[0].peak_memory_bytes, both[1].peak_memory_bytes)) if both else NONE
+
+
+def kv_tokens_ratio(inp: Inputs, scope: str) -> Measured:
+    both = _served(inp)
+    if both is None:
+        return NONE
+    v, b = both
+    return Measured(value=_ratio(v.kv.tokens if v.kv else None, b.kv.tokens if b.kv else None))
 
 
 @dataclass(frozen=True)
@@ -15,39 +127,50 @@ class Metric:
     stage: str  # the result file it is read from
     unit: str
     description: str
+    read: Callable[[Inputs, str], Measured]  # (inputs, scope) -> value and CI
     sliced: bool = False  # per suite as well as overall
     higher_is_better: bool = True
     needs: str | None = None  # items: a scored suite; drift: the drift suite
 
 
+def _lat(kind: str, pct: str, what: str) -> Metric:
+    return Metric("systems", "ratio", f"{pct} {what}, variant / baseline.", _latency_ratio(kind, pct),
+                  higher_is_better=False)
+
+
 METRICS: dict[str, Metric] = {
-    "accuracy": Metric("quality", "fraction", "Variant accuracy, 95% Wilson CI.", sliced=True, needs="items"),
+    "accuracy": Metric("quality", "fraction", "Variant accuracy, 95% Wilson CI.", accuracy, sliced=True,
+                       needs="items"),
     "accuracy_delta": Metric(
         "quality", "fraction",
         "Variant minus baseline accuracy on the same items, 95% paired-bootstrap CI. "
         "A non-inferiority gate is `accuracy_delta >= -margin`, judged on the CI's lower bound. Scope may "
         "also name one slice, e.g. `bigbench/category=navigate` or `needle/context=1024 tok`.",
-        sliced=True, needs="items"),
+        accuracy_delta, sliced=True, needs="items"),
     "kl_divergence": Metric(
         "quality", "nats/token", "Mean token-level KL(baseline || variant) of next-token distributions on the drift "
         "corpus, 95% bootstrap CI over windows; a lower bound of the full-vocabulary KL (top-k partition).",
-        higher_is_better=False, needs="drift"),
+        _drift("kl_mean", "kl"), higher_is_better=False, needs="drift"),
     "top1_agreement": Metric(
         "quality", "fraction", "Positions of the drift corpus where the variant's most likely next token is the "
-        "baseline's, 95% bootstrap CI over windows.", needs="drift"),
+        "baseline's, 95% bootstrap CI over windows.", _drift("top1_agreement", "top1"), needs="drift"),
     "perplexity_ratio": Metric(
         "quality", "ratio", "Drift-corpus perplexity, variant / baseline, 95% bootstrap CI over windows.",
-        higher_is_better=False, needs="drift"),
-    "ttft_p50_ratio": Metric("systems", "ratio", "p50 TTFT, variant / baseline.", higher_is_better=False),
-    "ttft_p99_ratio": Metric("systems", "ratio", "p99 TTFT, variant / baseline.", higher_is_better=False),
-    "tpot_p50_ratio": Metric("systems", "ratio", "p50 TPOT, variant / baseline.", higher_is_better=False),
-    "tpot_p99_ratio": Metric("systems", "ratio", "p99 TPOT, variant / baseline.", higher_is_better=False),
-    "ttft_p99_ms": Metric("systems", "ms", "p99 time to first token (absolute SLO).", higher_is_better=False),
-    "tpot_p99_ms": Metric("systems", "ms", "p99 time per output token (absolute SLO).", higher_is_better=False),
-    "error_rate": Metric("systems", "fraction", "Failed or timed-out requests / all.", higher_is_better=False),
+        _drift("ppl_ratio", "ppl_ratio"), higher_is_better=False, needs="drift"),
+    "ttft_p50_ratio": _lat("ttft", "p50", "TTFT"),
+    "ttft_p99_ratio": _lat("ttft", "p99", "TTFT"),
+    "tpot_p50_ratio": _lat("tpot", "p50", "TPOT"),
+    "tpot_p99_ratio": _lat("tpot", "p99", "TPOT"),
+    "ttft_p99_ms": Metric("systems", "ms", "p99 time to first token (absolute SLO).", _latency_ms("ttft", "p99"),
+                          higher_is_better=False),
+    "tpot_p99_ms": Metric("systems", "ms", "p99 time per output token (absolute SLO).", _latency_ms("tpot", "p99"),
+                          higher_is_better=False),
+    "error_rate": Metric("systems", "fraction", "Failed or timed-out requests / all.", error_rate,
+                         higher_is_better=False),
     "checkpoint_bytes_ratio": Metric(
-        "systems", "ratio", "Checkpoint bytes on disk, variant / baseline.", higher_is_better=False),
+        "systems", "ratio", "Checkpoint bytes on disk, variant / baseline.", checkpoint_bytes_ratio,
+        higher_is_better=False),
     "peak_memory_ratio": Metric(
-        "systems", "ratio", "Peak engine memory, variant / baseline.", higher_is_better=False),
-    "kv_tokens_ratio": Metric("systems", "ratio", "KV-cache capacity in tokens, variant / baseline."),
+        "systems", "ratio", "Peak engine memory, variant / baseline.", peak_memory_ratio, higher_is_better=False),
+    "kv_tokens_ratio": Metric("systems", "ratio", "KV-cache capacity in tokens, variant / baseline.", kv_tokens_ratio),
 }

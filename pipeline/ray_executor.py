@@ -16,7 +16,6 @@ the same paths too (README: "Scaling out on Ray").
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -24,9 +23,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from pipeline import envs
-from pipeline.results import QualityResult, QuantizeResult, SystemsResult
-from pipeline.runstore import read_result
+from pipeline import envs, outcome
+from pipeline.console import say
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,31 +69,9 @@ def stage_task(cwd: str, recipe_path: str, run_root: str, name: str, stage: str,
     return {"host": host, "pid": os.getpid(), "stage": stage, "name": name}
 
 
-def results_from_disk(run_dir, name: str) -> dict:
-    """A variant's results as its stage processes left them in the run folder."""
-    vdir = run_dir.variant(name)
-    try:
-        err = json.loads((vdir / "error.json").read_text())["error"]
-    except (OSError, ValueError, KeyError):
-        err = None
-    if err:
-        return {"error": err}
-    out: dict = {}
-    qz = read_result(vdir / "quantize.json", QuantizeResult)
-    if qz:
-        out["quantize"] = qz
-    try:
-        sup = json.loads((vdir / "support.json").read_text())
-    except (OSError, ValueError):
-        sup = {}
-    if sup.get("mode") == "unsupported":
-        return {**out, "skipped": sup.get("reason", "unsupported")}
-    out["quality"] = read_result(vdir / "quality.json", QualityResult)
-    out["systems"] = read_result(vdir / "systems.json", SystemsResult)
-    return out
-
-
-def run_all(ctx, recipe_path: Path) -> tuple[dict, dict]:
+def run_all(ctx, recipe_path: Path) -> dict[str, float]:
+    """Every variant's stages as Ray tasks; their outcomes are left in the run folder (a task that
+    failed for good is recorded there as the variant's error). Returns wall seconds per variant."""
     ray = ensure_ray()
     ex = ctx.recipe.executor
     started_here = not ray.is_initialized()
@@ -113,9 +89,7 @@ def run_all(ctx, recipe_path: Path) -> tuple[dict, dict]:
             ray.shutdown()
 
 
-def _schedule(ray, ctx, recipe_path: Path) -> tuple[dict, dict]:
-    from pipeline.runner import say
-
+def _schedule(ray, ctx, recipe_path: Path) -> dict[str, float]:
     ex, recipe = ctx.recipe.executor, ctx.recipe
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     say("run", f"ray: {len(nodes)} node(s), resources {ray.cluster_resources()}")
@@ -151,19 +125,16 @@ def _schedule(ray, ctx, recipe_path: Path) -> tuple[dict, dict]:
     if ex.baseline_first:
         drain({base})
     variants_ok = not (ex.baseline_first and (failed.get("baseline") or
-                                              results_from_disk(ctx.run_dir, "baseline").get("error")))
+                                              outcome.read(ctx.run_dir.variant("baseline")).error))
     for v in recipe.variants if variants_ok else []:
         q = quantize.remote(*common, v.name, "quantize")
         e = evaluate.remote(*common, v.name, "evaluate", q)  # runs once its quantize task is done
         pending[q], pending[e] = (v.name, "quantize"), (v.name, "evaluate")
         say(v.name, "ray: quantize and evaluate submitted")
     drain()
-    results = {}
     for name in ["baseline", *(v.name for v in recipe.variants)]:
         if name != "baseline" and not variants_ok:
-            results[name] = {"error": "not evaluated: the baseline failed, so there is nothing to compare against"}
+            outcome.record_failure(ctx.run_dir.variant(name), outcome.BASELINE_FAILED)
         elif name in failed:
-            results[name] = {"error": failed[name]}
-        else:
-            results[name] = results_from_disk(ctx.run_dir, name)
-    return results, timings
+            outcome.record_failure(ctx.run_dir.variant(name), failed[name])
+    return timings

@@ -4,6 +4,8 @@ A recipe names a base model, the variants to build from it (the baseline is impl
 calibration data, quality suites, one serving workload, engine arguments shared by every
 variant, and the sign-off gates. Unknown keys are rejected everywhere; cross-field rules
 live in model validators so `quantize-eval validate RECIPE` catches them without a run.
+Scheme and suite names are those of pipeline/schemes.py and pipeline/suitetable.py; reading
+the file and checking the files it points to is pipeline/recipe_files.py.
 """
 
 from __future__ import annotations
@@ -12,24 +14,15 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline import metrics
+from pipeline import metrics, schemes, suitetable
+from pipeline.recipe_files import RecipeError, check_checkpoint_dir, check_llmc_recipe, check_model_dir, one_line, read_mapping
+from pipeline.schemes import W4_SCHEMES  # the schemes that take a group_size
 
-# llm-compressor schemes (quantized offline), load-time schemes (quantized by vLLM as it
-# loads), and the two that bring their own checkpoint or recipe
-LLMC_SCHEMES = ("awq_w4a16", "gptq_w4a16", "rtn_w4a16", "w8a8_int8", "fp8_block", "fp8_dynamic")
-W4_SCHEMES = ("awq_w4a16", "gptq_w4a16", "rtn_w4a16")
-SCHEMES = (*LLMC_SCHEMES, "bnb_nf4", "bnb_int8", "none", "import", "custom")
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
 BUILTIN_CALIBRATION = ("xsum",)
-BUILTIN_SUITES = ("piqa", "siqa", "openbookqa", "commonsenseqa", "bigbench", "asdiv", "bfcl", "needle", "drift")
 NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
-
-
-class RecipeError(Exception):
-    """A recipe that cannot run; the message is one line naming the field or file."""
 
 
 class Strict(BaseModel):
@@ -83,14 +76,7 @@ class CalibrationSpec(Strict):
 
 class VariantSpec(Strict):
     name: str = Field(pattern=NAME, description="Short unique name; a folder of the run.")
-    scheme: Literal[SCHEMES] = Field(description=(  # type: ignore[valid-type]
-        "awq_w4a16 | gptq_w4a16 | rtn_w4a16: 4-bit weights (llm-compressor); w8a8_int8: SmoothQuant + "
-        "GPTQ INT8 weights, dynamic per-token INT8 activations; fp8_block: FP8 weights in 128x128 "
-        "blocks, dynamic FP8 activations per 128-group; fp8_dynamic: FP8 per-channel weights, dynamic "
-        "per-token activations; bnb_nf4: bitsandbytes NF4, quantized by vLLM at load; bnb_int8: "
-        "bitsandbytes LLM.int8 (pre-quantized by transformers); none: weights as the baseline (for "
-        "KV-cache-only variants); import: an existing checkpoint (checkpoint:); custom: your own "
-        "llm-compressor recipe file (recipe:)."))
+    scheme: Literal[schemes.NAMES] = Field(description=schemes.describe())  # type: ignore[valid-type]
     group_size: int | None = Field(
         64, description="Weight group size for 4-bit schemes; null = per channel.")
     ignore: tuple[str, ...] = Field(("lm_head",), description="Modules left unquantized.")
@@ -122,15 +108,16 @@ class VariantSpec(Strict):
 
     @model_validator(mode="after")
     def _fields_fit_scheme(self) -> VariantSpec:
-        if (self.scheme == "import") != (self.checkpoint is not None):
+        s = schemes.SCHEMES[self.scheme]
+        if (s.producer == "import") != (self.checkpoint is not None):
             raise ValueError("checkpoint is set exactly when scheme is import")
-        if (self.scheme == "custom") != (self.recipe is not None):
+        if (s.producer == "custom") != (self.recipe is not None):
             raise ValueError("recipe is set exactly when scheme is custom")
-        if "group_size" in self.model_fields_set and self.group_size is not None and self.scheme not in W4_SCHEMES:
+        if "group_size" in self.model_fields_set and self.group_size is not None and not s.takes_group_size:
             raise ValueError(f"group_size: only the 4-bit schemes take one ({', '.join(W4_SCHEMES)})")
-        if self.scheme == "none" and self.kv_cache == "auto":
+        if s.producer == "none" and self.kv_cache == "auto":
             raise ValueError("scheme none changes nothing unless kv_cache is fp8 or fp8_calibrated")
-        if self.kv_cache == "fp8_calibrated" and self.scheme not in (*LLMC_SCHEMES, "none"):
+        if self.kv_cache == "fp8_calibrated" and not s.calibrates_kv:
             raise ValueError(f"kv_cache fp8_calibrated needs an llm-compressor scheme, not {self.scheme}; "
                              "put kv_cache_scheme in your own recipe, or use kv_cache: fp8")
         return self
@@ -138,7 +125,7 @@ class VariantSpec(Strict):
     @property
     def quantized_offline(self) -> bool:
         """Does llm-compressor (or transformers) write a checkpoint for this variant?"""
-        return self.scheme in (*LLMC_SCHEMES, "bnb_int8", "custom") or self.kv_cache == "fp8_calibrated"
+        return schemes.SCHEMES[self.scheme].offline or self.kv_cache == "fp8_calibrated"
 
 
 class NeedleSpec(Strict):
@@ -175,8 +162,8 @@ class DriftSpec(Strict):
 
 
 def _suite_name(s: str) -> str:
-    if s not in BUILTIN_SUITES and not s.endswith((".yaml", ".yml")):
-        raise ValueError(f"unknown suite {s!r}; builtin: {', '.join(BUILTIN_SUITES)}; or the path of an "
+    if s not in suitetable.SUITES and not s.endswith((".yaml", ".yml")):
+        raise ValueError(f"unknown suite {s!r}; builtin: {', '.join(suitetable.BUILTIN)}; or the path of an "
                          "lm-eval task .yaml")
     return s
 
@@ -187,7 +174,7 @@ SuiteName = Annotated[str, AfterValidator(_suite_name)]
 class QualitySpec(Strict):
     suites: tuple[SuiteName, ...] = Field(
         ("piqa", "siqa"), min_length=1, description="Suites scored per item: builtin names ("
-        + ", ".join(BUILTIN_SUITES) + ") or the path of your own lm-eval task YAML.")
+        + ", ".join(suitetable.BUILTIN) + ") or the path of your own lm-eval task YAML.")
     limit: int | None = Field(
         200, ge=1, description="Items per suite (first N in file order); null = all.")
     limits: dict[str, int] = Field({}, description="Per-suite item counts that override `limit`.")
@@ -347,7 +334,7 @@ class Recipe(Strict):
         if "drift" in q.suites and q.drift.window_tokens > self.engine.max_model_len - 1:
             raise ValueError(f"quality.drift.window_tokens: {q.drift.window_tokens} must be below "
                              f"engine.max_model_len = {self.engine.max_model_len}")
-        builtin = [s for s in q.suites if s in BUILTIN_SUITES]
+        builtin = [s for s in q.suites if s in suitetable.SUITES]
         for i, g in enumerate(self.gates):
             m = metrics.METRICS[g.metric]
             if m.needs == "drift" and "drift" not in q.suites:
@@ -361,56 +348,17 @@ class Recipe(Strict):
         return self
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys: a second `variants:` must not silently win."""
-
-
-def _no_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False):
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if isinstance(key, (str, int, float, bool)) and key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark)
-        if isinstance(key, (str, int, float, bool)):
-            seen.add(key)
-    return loader.construct_mapping(node, deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())[:300]
-
-
-def _loc(err: dict) -> str:
-    return ".".join(str(p) for p in err["loc"]) or "recipe"
-
-
 def load(path: str | Path) -> Recipe:
     """Parse and validate a recipe file; raise RecipeError with a one-line message."""
     p = Path(path)
-    if not p.is_file():
-        raise RecipeError(f"{p}: recipe file not found")
-    try:
-        data = yaml.load(p.read_text(), Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise RecipeError(f"{p}:{where} malformed YAML: {_one_line(problem)}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"{p}: cannot read recipe: {exc}") from None
-    if not isinstance(data, dict):
-        raise RecipeError(f"{p}: a recipe must be a YAML mapping, got {type(data).__name__}")
+    data = read_mapping(p)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         msg = re.sub(r"^Value error, ", "", err["msg"])
         more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise RecipeError(f"{p}: {_loc(err)}: {_one_line(msg)}{more}") from None
+        raise RecipeError(f"{p}: {_loc(err)}: {one_line(msg)}{more}") from None
     if recipe.model.path is not None:
         check_model_dir(Path(recipe.model.path), p)
     for i, v in enumerate(recipe.variants):
@@ -418,6 +366,16 @@ def load(path: str | Path) -> Recipe:
             check_checkpoint_dir(Path(v.checkpoint), p, f"variants.{i}.checkpoint")
         if v.recipe is not None:
             check_llmc_recipe(Path(v.recipe), p, f"variants.{i}.recipe")
+    _check_suites(recipe, p)
+    return recipe
+
+
+def _loc(err: dict) -> str:
+    return ".".join(str(p) for p in err["loc"]) or "recipe"
+
+
+def _check_suites(recipe: Recipe, p: Path) -> None:
+    """Each suite resolves (a user's task YAML is read) to a task name of its own; gates scope those."""
     from pipeline import suites
 
     names = []
@@ -425,7 +383,7 @@ def load(path: str | Path) -> Recipe:
         try:
             names.append(suites.resolve([s])[0].name)
         except ValueError as exc:
-            raise RecipeError(f"{p}: quality.suites.{i}: {_one_line(exc)}") from None
+            raise RecipeError(f"{p}: quality.suites.{i}: {one_line(exc)}") from None
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise RecipeError(f"{p}: quality.suites: task name(s) {', '.join(dupes)} appear twice")
@@ -433,46 +391,3 @@ def load(path: str | Path) -> Recipe:
         if g.scope not in ("overall", "each_suite") and g.scope.split("/")[0] not in names:
             raise RecipeError(f"{p}: gates.{i}.scope: {g.scope!r} is not a suite this recipe runs "
                               f"({', '.join(names)})")
-    return recipe
-
-
-IMPORT_FORMATS = ("gptq", "awq", "compressed-tensors")
-
-
-def check_checkpoint_dir(ckpt: Path, recipe_path: Path, field: str) -> None:
-    import json
-
-    if not (ckpt / "config.json").is_file():
-        raise RecipeError(f"{recipe_path}: {field}: {ckpt} has no config.json (not a checkpoint directory; "
-                          "`quantize-eval make-legacy` writes example GPTQ/AWQ-format ones)")
-    try:
-        qc = json.loads((ckpt / "config.json").read_text()).get("quantization_config") or {}
-    except (OSError, ValueError) as exc:
-        raise RecipeError(f"{recipe_path}: {field}: {ckpt / 'config.json'} is not valid JSON: {exc}") from None
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if method not in IMPORT_FORMATS:
-        raise RecipeError(f"{recipe_path}: {field}: {ckpt / 'config.json'} quantization_config.quant_method is "
-                          f"{method!r}; importable formats: {', '.join(IMPORT_FORMATS)}")
-    if not any(ckpt.glob("*.safetensors")):
-        raise RecipeError(f"{recipe_path}: {field}: {ckpt} has no *.safetensors weights")
-
-
-def check_llmc_recipe(path: Path, recipe_path: Path, field: str) -> None:
-    if not path.is_file():
-        raise RecipeError(f"{recipe_path}: {field}: {path} not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"{recipe_path}: {field}: {path} is not valid YAML: {_one_line(exc)}") from None
-    if not isinstance(data, dict) or not data:
-        raise RecipeError(f"{recipe_path}: {field}: {path} is not an llm-compressor recipe (a YAML mapping "
-                          "of stages to modifiers)")
-
-
-def check_model_dir(model_dir: Path, recipe_path: Path) -> None:
-    if not model_dir.is_dir():
-        raise RecipeError(f"{recipe_path}: model.path: {model_dir} is not a directory")
-    if not (model_dir / "config.json").is_file():
-        raise RecipeError(f"{recipe_path}: model.path: {model_dir} has no config.json")
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise RecipeError(f"{recipe_path}: model.path: {model_dir} has no tokenizer")

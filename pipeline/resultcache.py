@@ -10,7 +10,6 @@ a finished run costs only that variant. A reused result says where it was measur
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from pipeline import envs
-from pipeline.runstore import read_result, write_json
+from pipeline.runstore import atomic_dir, read_result, write_json
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -34,18 +33,12 @@ def store(stage: str, result: BaseModel, vdir: Path, run_root: Path) -> None:
     slot = _slot(stage, result.input_hash)
     if slot.exists():
         return
-    tmp = slot.with_name(slot.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write_json(tmp / f"{stage}.json", result)
-    if stage == "quality" and (vdir / "samples").is_dir():
-        shutil.copytree(vdir / "samples", tmp / "samples")
-    write_json(tmp / "origin.json", {"run": str(run_root), "variant": result.variant,
-                                     "stored_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    try:
-        os.replace(tmp, slot)
-    except OSError:  # another run stored it first
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_dir(slot, replace=False) as tmp:  # a run that stored it first wins: same content
+        write_json(tmp / f"{stage}.json", result)
+        if stage == "quality" and (vdir / "samples").is_dir():
+            shutil.copytree(vdir / "samples", tmp / "samples")
+        write_json(tmp / "origin.json", {"run": str(run_root), "variant": result.variant,
+                                         "stored_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 
 
 def fetch(stage: str, input_hash: str, model: type[T], vdir: Path, variant: str) -> T | None:

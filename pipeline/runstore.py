@@ -16,8 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -79,6 +82,40 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def drop_stale_tmp(target: Path) -> None:
+    """Half-written folders of killed runs (<name>.tmp<pid>, that pid gone) are never trusted."""
+    for tmp in target.parent.glob(target.name + ".tmp*"):
+        pid = tmp.name.rsplit(".tmp", 1)[1]
+        if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def atomic_dir(target: Path, replace: bool = True) -> Iterator[Path]:
+    """A folder that appears whole or not at all: yields an empty <target>.tmp<pid> to fill, then
+    renames it onto target. Nothing is published when the block raises or leaves the folder empty
+    (a producer that had nothing to write). replace=False keeps a target another writer published
+    first (a content-addressed cache: both wrote the same thing)."""
+    drop_stale_tmp(target)
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not any(tmp.iterdir()):
+        tmp.rmdir()
+        return
+    if replace:
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # replace=False and the target exists: another writer published it first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_json(path: Path, obj) -> None:
     if isinstance(obj, BaseModel):
         text = obj.model_dump_json(indent=2)
@@ -104,9 +141,6 @@ class RunDir:
 
     def variant(self, name: str) -> Path:
         return self.root / name
-
-    def result_path(self, variant: str, stage: str) -> Path:
-        return self.root / variant / f"{stage}.json"
 
     @property
     def manifest(self) -> Path:

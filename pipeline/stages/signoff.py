@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from pipeline import drift, metrics, stats
+from pipeline.outcome import VariantOutcome
 from pipeline.results import (
     GateOutcome,
     Measured,
@@ -21,7 +22,6 @@ from pipeline.results import (
     PairedSlice,
     QualityResult,
     Signoff,
-    SystemsResult,
     VariantSignoff,
 )
 
@@ -37,10 +37,6 @@ def _read_checked(vdir: Path, samples_file: str, sha: str | None) -> list[dict]:
 def load_rows(vdir: Path, quality: QualityResult, suite: str) -> dict[int, dict]:
     s = quality.suites[suite]
     return {r["doc_id"]: r for r in _read_checked(vdir, s.samples_file, s.samples_sha256)}
-
-
-def load_samples(vdir: Path, quality: QualityResult, suite: str) -> dict[int, int]:
-    return {i: r["correct"] for i, r in load_rows(vdir, quality, suite).items()}
 
 
 def paired_slices(base_dir: Path, base_q: QualityResult, var_dir: Path, var_q: QualityResult,
@@ -103,68 +99,6 @@ def _paired(name: str, b: list[int], v: list[int], samples: int, seed: int, near
                        near_chance=near)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b in (None, 0):
-        return None
-    return a / b
-
-
-def systems_metric(name: str, v: SystemsResult, b: SystemsResult) -> Measured:
-    lv, lb = v.latency, b.latency
-    value = None
-    if name == "checkpoint_bytes_ratio":
-        return Measured(value=_ratio(v.checkpoint_bytes, b.checkpoint_bytes))
-    if lv is None or lb is None or v.status != "ok" or b.status != "ok":
-        return Measured(value=None)
-    if name.endswith("_ratio") and name.split("_")[0] in ("ttft", "tpot"):
-        kind, pct = name.split("_")[0], name.split("_")[1]
-        value = _ratio(getattr(getattr(lv, f"{kind}_ms"), pct), getattr(getattr(lb, f"{kind}_ms"), pct))
-    elif name in ("ttft_p99_ms", "tpot_p99_ms"):
-        value = getattr(lv, name[:-7] + "_ms").p99
-    elif name == "error_rate":
-        total = lv.completed + lv.failed + lv.timed_out
-        value = (lv.failed + lv.timed_out) / total if total else None
-    elif name == "peak_memory_ratio":
-        value = _ratio(v.peak_memory_bytes, b.peak_memory_bytes)
-    elif name == "kv_tokens_ratio":
-        value = _ratio(v.kv.tokens if v.kv else None, b.kv.tokens if b.kv else None)
-    return Measured(value=value)
-
-
-def quality_metric(name: str, scope: str, var_q: QualityResult, paired: list[PairedSlice],
-                   pd: PairedDrift | None = None) -> Measured:
-    if name in ("kl_divergence", "top1_agreement", "perplexity_ratio"):
-        if pd is None:
-            return Measured(value=None)
-        key = {"kl_divergence": ("kl_mean", "kl"), "top1_agreement": ("top1_agreement", "top1"),
-               "perplexity_ratio": ("ppl_ratio", "ppl_ratio")}[name]
-        return Measured(value=getattr(pd, key[0]), ci_low=getattr(pd, f"{key[1]}_ci_low"),
-                        ci_high=getattr(pd, f"{key[1]}_ci_high"))
-    if name == "accuracy" and "/" in scope:
-        suite, key = scope.split("/", 1)
-        st = var_q.suites[suite].slices.get(key) if suite in var_q.suites else None
-        if st is None:
-            return Measured(value=None)
-        return Measured(value=st.accuracy, ci_low=st.ci_low, ci_high=st.ci_high)
-    if name == "accuracy":
-        if scope == "overall":
-            k = sum(s.correct for s in var_q.suites.values())
-            n = sum(s.n for s in var_q.suites.values())
-        else:
-            k, n = var_q.suites[scope].correct, var_q.suites[scope].n
-        lo, hi = stats.wilson(k, n)
-        return Measured(value=k / n if n else None, ci_low=lo, ci_high=hi)
-    ps = next((p for p in paired if p.slice == scope), None)
-    if ps is None and "/" in scope:  # a slice covering its whole suite is reported as the suite row
-        suite, key = scope.split("/", 1)
-        st = var_q.suites[suite].slices.get(key) if suite in var_q.suites else None
-        if st is not None and st.n == var_q.suites[suite].n:
-            ps = next((p for p in paired if p.slice == suite), None)
-    if ps is None:
-        return Measured(value=None)
-    return Measured(value=ps.delta, ci_low=ps.delta_ci_low, ci_high=ps.delta_ci_high)
-
-
 def judge(gate, measured: Measured, why_missing: str = "not measured") -> GateOutcome:
     if measured.value is None:
         return GateOutcome(metric=gate.metric, scope=gate.scope, op=gate.op, threshold=gate.threshold,
@@ -181,53 +115,54 @@ def judge(gate, measured: Measured, why_missing: str = "not measured") -> GateOu
                        severity=gate.severity, judged_on=judged_on, measured=measured, outcome=outcome)
 
 
-def signoff(recipe, recipe_hash: str, run_root: Path, results: dict[str, dict]) -> Signoff:
-    """results[variant] = {"quality": QualityResult|None, "systems": ..., "error": str|None}."""
+def judge_gates(recipe, inp: metrics.Inputs) -> list[GateOutcome]:
+    """Every gate of the recipe on one variant (each_suite expands to one gate per suite). A fail
+    gate that could not be measured cannot pass: it fails, with its reason."""
+    gates = []
+    for g in recipe.gates:
+        m = metrics.METRICS[g.metric]
+        for scope in (list(inp.quality.suites) if g.scope == "each_suite" else [g.scope]):
+            why = ((inp.systems.error if inp.systems else None) or "not measured") if m.stage == "systems" \
+                else "not measured"
+            gates.append(judge(g.model_copy(update={"scope": scope}), m.read(inp, scope), why))
+    for x in gates:
+        if x.outcome == "N/A" and x.severity == "fail":
+            x.outcome = "FAIL"
+            x.note = f"fail gate not measured: {x.note}"
+    return gates
+
+
+def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: VariantOutcome) -> VariantSignoff:
+    """One variant's verdict from its outcome and the baseline's."""
+    if r.skipped:
+        return VariantSignoff(variant=name, verdict="SKIPPED", reason=r.skipped)
+    if r.error or base.error or r.quality is None or r.systems is None:
+        why = r.error or (f"baseline failed: {base.error}" if base.error else "results missing")
+        return VariantSignoff(variant=name, verdict="FAILED-TO-RUN", reason=why)
+    q, s = r.quality, r.systems
+    try:
+        paired = paired_slices(run_root / "baseline", base.quality, run_root / name, q,
+                               recipe.quality.bootstrap_samples, recipe.quality.seed)
+        pd = paired_drift(run_root / "baseline", base.quality, run_root / name, q,
+                          recipe.quality.bootstrap_samples, recipe.quality.seed)
+    except (OSError, ValueError, KeyError) as exc:
+        return VariantSignoff(variant=name, verdict="FAILED-TO-RUN", reason=f"sign-off: {type(exc).__name__}: {exc}")
+    gates = judge_gates(recipe, metrics.Inputs(quality=q, systems=s, base_systems=base.systems, paired=paired,
+                                               drift=pd))
+    outcomes = {x.outcome for x in gates}
+    verdict = "FAIL" if "FAIL" in outcomes else "WARN" if outcomes & {"WARN", "N/A"} or not gates else "PASS"
+    failing = [f"{x.metric}[{x.scope}] {x.outcome}" for x in gates if x.outcome != "PASS"]
+    reason = "; ".join(failing + (["no gates declared"] if not gates else [])
+                       + ([f"systems not measured: {s.error}"] if s.status == "skipped" else []))
+    return VariantSignoff(variant=name, verdict=verdict, reason=reason, gates=gates, paired=paired, drift=pd)
+
+
+def signoff(recipe, recipe_hash: str, run_root: Path, results: dict) -> Signoff:
+    """results[variant]: its VariantOutcome (pipeline/outcome.py; a dict of the same fields is accepted)."""
+    results = {n: VariantOutcome.coerce(r) for n, r in results.items()}
     base = results["baseline"]
-    base_q, base_s = base.get("quality"), base.get("systems")
-    verdicts = []
-    for v in recipe.variants:
-        r = results.get(v.name, {})
-        if r.get("skipped"):
-            verdicts.append(VariantSignoff(variant=v.name, verdict="SKIPPED", reason=r["skipped"]))
-            continue
-        err = r.get("error") or base.get("error")
-        if err or r.get("quality") is None or r.get("systems") is None:
-            why = r.get("error") or (f"baseline failed: {base.get('error')}" if base.get("error")
-                                     else "results missing")
-            verdicts.append(VariantSignoff(variant=v.name, verdict="FAILED-TO-RUN", reason=why))
-            continue
-        q, s = r["quality"], r["systems"]
-        try:
-            paired = paired_slices(run_root / "baseline", base_q, run_root / v.name, q,
-                                   recipe.quality.bootstrap_samples, recipe.quality.seed)
-            pd = paired_drift(run_root / "baseline", base_q, run_root / v.name, q,
-                              recipe.quality.bootstrap_samples, recipe.quality.seed)
-        except (OSError, ValueError, KeyError) as exc:
-            verdicts.append(VariantSignoff(variant=v.name, verdict="FAILED-TO-RUN",
-                                           reason=f"sign-off: {type(exc).__name__}: {exc}"))
-            continue
-        gates = []
-        for g in recipe.gates:
-            m = metrics.METRICS[g.metric]
-            scopes = list(q.suites) if g.scope == "each_suite" else [g.scope]
-            for scope in scopes:
-                measured = (quality_metric(g.metric, scope, q, paired, pd) if m.stage == "quality"
-                            else systems_metric(g.metric, s, base_s))
-                why = (s.error or "not measured") if m.stage == "systems" else "not measured"
-                gates.append(judge(g.model_copy(update={"scope": scope}), measured, why))
-        # a fail gate that could not be measured cannot pass: it fails, with its reason
-        for x in gates:
-            if x.outcome == "N/A" and x.severity == "fail":
-                x.outcome = "FAIL"
-                x.note = f"fail gate not measured: {x.note}"
-        outcomes = {x.outcome for x in gates}
-        verdict = "FAIL" if "FAIL" in outcomes else "WARN" if outcomes & {"WARN", "N/A"} or not gates else "PASS"
-        failing = [f"{x.metric}[{x.scope}] {x.outcome}" for x in gates if x.outcome != "PASS"]
-        reason = "; ".join(failing + (["no gates declared"] if not gates else [])
-                           + ([f"systems not measured: {s.error}"] if s.status == "skipped" else []))
-        verdicts.append(VariantSignoff(variant=v.name, verdict=verdict, reason=reason, gates=gates,
-                                       paired=paired, drift=pd))
+    verdicts = [variant_signoff(recipe, run_root, v.name, results.get(v.name, VariantOutcome()), base)
+                for v in recipe.variants]
     passing = [x.variant for x in verdicts if x.verdict in ("PASS", "WARN")]
     # nothing evaluated (all skipped) is not a sign-off either
     bad = any(x.verdict in ("FAIL", "FAILED-TO-RUN") for x in verdicts) or not passing
@@ -243,26 +178,24 @@ def signoff(recipe, recipe_hash: str, run_root: Path, results: dict[str, dict]) 
                    recommendation_rule=f"{rule}, among variants whose gates pass (PASS or WARN)")
 
 
-def _overall_acc(r: dict) -> float | None:
-    q = r.get("quality")
-    n = sum(s.n for s in q.suites.values()) if q else 0
-    return sum(s.correct for s in q.suites.values()) / n if n else None
+def _lat(r: VariantOutcome, kind: str) -> float | None:
+    return getattr(r.systems.latency, kind).p50 if r.systems and r.systems.latency else None
 
 
-def _lat(r: dict, kind: str) -> float | None:
-    s = r.get("systems")
-    return getattr(s.latency, kind).p50 if s and s.latency else None
+def _kv_tokens(r: VariantOutcome) -> int | None:
+    return -r.systems.kv.tokens if r.systems and r.systems.kv and r.systems.kv.tokens else None
+
+
+def _accuracy(r: VariantOutcome) -> float | None:
+    a = r.quality.overall_accuracy() if r.quality else None
+    return -a if a is not None else None
 
 
 # objective -> (what it means, key to minimise; None = cannot be ranked on it)
 OBJECTIVES = {
-    "smallest_checkpoint": ("smallest checkpoint on disk",
-                            lambda r: r["systems"].checkpoint_bytes if r.get("systems") else None),
-    "most_kv_capacity": ("most KV-cache tokens",
-                         lambda r: -r["systems"].kv.tokens if r.get("systems") and r["systems"].kv
-                         and r["systems"].kv.tokens else None),
+    "smallest_checkpoint": ("smallest checkpoint on disk", lambda r: r.systems.checkpoint_bytes if r.systems else None),
+    "most_kv_capacity": ("most KV-cache tokens", _kv_tokens),
     "lowest_tpot": ("lowest p50 TPOT", lambda r: _lat(r, "tpot_ms")),
     "lowest_ttft": ("lowest p50 TTFT", lambda r: _lat(r, "ttft_ms")),
-    "best_quality": ("highest overall accuracy",
-                     lambda r: -a if (a := _overall_acc(r)) is not None else None),
+    "best_quality": ("highest overall accuracy", _accuracy),
 }

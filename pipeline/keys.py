@@ -1,0 +1,83 @@
+"""The result-cache keys: everything that changes a checkpoint, a quality or a systems result.
+
+A stage's result (and a cached checkpoint) is reused only when its key matches. Each key is a
+hash of what produced the result, plus a version constant: bump the constant when the meaning
+of a result changes without any of its inputs changing (a new measurement method), so every
+result measured the old way is recomputed, instead of dropping or renaming fields to keep
+earlier keys alive.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline import assets, envs, provenance, suites
+from pipeline.runstore import hash_obj, sha256_file
+
+ROOT = Path(__file__).resolve().parent.parent
+QUANTIZE_WORKER = ROOT / "pipeline" / "engines" / "quantize_worker.py"
+DEQUANTIZE_WORKER = ROOT / "pipeline" / "engines" / "dequantize_worker.py"
+SCHEMES = ROOT / "pipeline" / "schemes.py"
+
+# 1: the layout of the keys below (2026-11-30; earlier keys were shaped for compatibility)
+QUANTIZE_KEY_VERSION = 1
+QUALITY_KEY_VERSION = 1
+# 1: the admission probe is a concurrency ramp whose output is sized from the token budget
+SYSTEMS_KEY_VERSION = 1
+
+
+def source_hash(*paths: Path) -> str:
+    return hash_obj([sha256_file(p) for p in paths if p.exists()])
+
+
+def quantize_key(recipe, v, model_hash: str) -> str:
+    """Everything that changes a checkpoint; the cache folder is named by it."""
+    return hash_obj({
+        "version": QUANTIZE_KEY_VERSION, "model": model_hash, "scheme": v.scheme, "group_size": v.group_size,
+        "ignore": v.ignore, "kv_cache": v.kv_cache,
+        "smoothing_strength": v.smoothing_strength if v.scheme == "w8a8_int8" else None,
+        "recipe_file": sha256_file(Path(v.recipe)) if v.recipe else None,
+        "calibration": recipe.calibration.model_dump(exclude={"timeout_s"}),
+        "calibration_dtype": provenance.resolve_dtype(recipe.calibration.dtype),
+        "calibration_sha256": sha256_file(assets.calibration_text(recipe.calibration.dataset)),
+        "seed": recipe.engine.seed, "trust_remote_code": recipe.model.trust_remote_code,
+        "quantize_env": envs.requirements_file("quantize").read_text(),
+        "worker": source_hash(QUANTIZE_WORKER, SCHEMES),
+    })
+
+
+def dense_key(quantize_key_: str) -> str:
+    """The weights an emulated variant is served with: its checkpoint, dequantized."""
+    return hash_obj([quantize_key_, "dense", source_hash(DEQUANTIZE_WORKER)])
+
+
+def _common(recipe, weights_hash: str, dtype: str, extra_args: list[str]) -> dict:
+    from pipeline.engines.server import engine_placement  # may run nvidia-smi: only when keys are made
+
+    engine = recipe.engine.model_dump(exclude={"startup_timeout_s"})
+    engine["variant_args"] = [a for a in extra_args if not a.startswith("/")]  # paths differ per machine
+    engine["placement"] = engine_placement()
+    return {"weights": weights_hash, "engine": engine, "dtype": dtype,
+            "engine_env": envs.requirements_file("engine").read_text(), "hardware": provenance.hardware()}
+
+
+def quality_key(recipe, common: dict) -> str:
+    q = recipe.quality
+    defs = {r.name: suites.definition_hash(r) for r in suites.resolve(q.suites)}
+    # bootstrap settings only change sign-off, which is recomputed every run; the settings of
+    # suites this recipe does not run cannot change its items
+    spec = q.model_dump(exclude={"bootstrap_samples", "seed"})
+    for suite in ("needle", "drift"):
+        if suite not in q.suites:
+            del spec[suite]
+    return hash_obj({"version": QUALITY_KEY_VERSION, **common, "quality": spec, "suites": defs})
+
+
+def systems_key(recipe, common: dict) -> str:
+    return hash_obj({"version": SYSTEMS_KEY_VERSION, **common, "workload": recipe.workload.model_dump()})
+
+
+def evaluate_keys(recipe, weights_hash: str, dtype: str, extra_args: list[str]) -> tuple[str, str]:
+    """(quality key, systems key) of one set of weights served with these engine arguments."""
+    common = _common(recipe, weights_hash, dtype, extra_args)
+    return quality_key(recipe, common), systems_key(recipe, common)

@@ -1,0 +1,84 @@
+"""Checks made before any work starts that need the resolved model or the machine.
+
+The recipe schema (pipeline/recipe.py) checks what the recipe alone can tell; these need the
+model's config, the disk, the data packages or the runs folder. Each failure is one line
+naming the field or file (exit 2), raised before an engine or a quantizer starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from pipeline import assets, envs, modelcfg
+from pipeline.recipe import Recipe
+from pipeline.runstore import weight_bytes
+from pipeline.schemes import W4_SCHEMES
+
+
+class PreflightError(Exception):
+    """The recipe is valid but cannot run here (model limits, disk); one line, exit 2."""
+
+
+def _divisor(d: int) -> int:
+    return next(g for g in (128, 64, 32, 16) if d % g == 0) if d % 16 == 0 else 1
+
+
+def check_model_limits(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
+    """Context length within the model's, and every 4-bit group tiling every Linear's input."""
+    try:
+        cfg = modelcfg.read(model_dir)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
+    text_cfg = modelcfg.text_config(cfg)
+    limit = text_cfg.get("max_position_embeddings")
+    if limit and recipe.engine.max_model_len > limit:
+        raise PreflightError(f"{recipe_path}: engine.max_model_len {recipe.engine.max_model_len} exceeds the "
+                             f"model's max_position_embeddings {limit} ({model_dir / 'config.json'})")
+    dims = {k: text_cfg.get(k) for k in ("hidden_size", "intermediate_size")}
+    if text_cfg.get("num_attention_heads") and text_cfg.get("head_dim"):
+        dims["num_attention_heads * head_dim"] = text_cfg["num_attention_heads"] * text_cfg["head_dim"]
+    for i, v in enumerate(recipe.variants):  # a group must tile every Linear's input features
+        if v.scheme not in W4_SCHEMES:
+            continue
+        bad = {k: d for k, d in dims.items() if d and v.group_size and d % v.group_size}
+        if bad:
+            k, d = next(iter(bad.items()))
+            raise PreflightError(f"{recipe_path}: variants.{i}.group_size: {v.group_size} does not divide the "
+                                 f"model's {k} = {d}; pick a divisor (e.g. {_divisor(d)}) or null for per-channel")
+
+
+def check_disk(recipe: Recipe, model_dir: Path) -> None:
+    weights = weight_bytes(model_dir)
+    need = weights * (len(recipe.variants) + 1)  # each checkpoint (and its dense copy) < the model
+    home = envs.home()
+    home.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(home).free
+    if free < need:
+        raise PreflightError(f"{home}: {free / 2**30:.1f} GiB free, checkpoints for "
+                             f"{len(recipe.variants)} variant(s) need about {need / 2**30:.1f} GiB")
+
+
+def fetch_data(recipe: Recipe, recipe_path: Path) -> None:
+    """The data every variant needs, fetched (once) before any work."""
+    try:
+        for suite in recipe.quality.suites:
+            assets.fetch_suite(suite)
+        assets.calibration_text(recipe.calibration.dataset)
+    except (assets.AssetError, OSError, KeyError, ValueError) as exc:
+        raise PreflightError(f"{recipe_path}: quality/calibration data unavailable: {exc}") from None
+
+
+def check_runs_dir(recipe: Recipe, recipe_path: Path) -> None:
+    runs = Path(recipe.runs_dir)
+    probe = runs if runs.exists() else runs.parent
+    if not os.access(probe if probe.exists() else Path("."), os.W_OK):
+        raise PreflightError(f"{recipe_path}: runs_dir {runs} is not writable")
+
+
+def preflight(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
+    check_model_limits(recipe, recipe_path, model_dir)
+    check_disk(recipe, model_dir)
+    fetch_data(recipe, recipe_path)
+    check_runs_dir(recipe, recipe_path)

@@ -1,0 +1,212 @@
+"""Quality of one variant on a running engine: lm-eval suites scored per item, and drift.
+
+lm-eval's local-completions backend talks to the pipeline's vLLM server (loglikelihood from
+the engine's echoed prompt logprobs, generation through the chat-templated prompts rendered
+into the run's task folder). Every item is kept with its correctness, failure category,
+slices and prompt length (samples/<suite>.jsonl); the suite result is summarised from them.
+Drift sends each window of the essay corpus once for its logprobs (pipeline/drift.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+from pipeline import assets, drift, stats, suites
+from pipeline.engines.server import SERVED_NAME, Server
+from pipeline.results import DriftQuality, QualityResult, SliceStat, SuiteQuality
+from pipeline.runstore import atomic_write_text
+
+CORRECT_METRIC = "acc_norm"  # multiple choice: length-normalised loglikelihood argmax
+
+
+class _QuietLmEval:
+    """Drops two lm-eval warnings that do not apply here and would read as problems: the engine
+    serves batched requests of any lengths ("Batch size > 1 detected"), and generative suites
+    carry the model's chat template in their rendered prompts while multiple-choice suites score
+    plain text on purpose ("... chat template is not applied")."""
+
+    BENIGN = ("Batch size > 1 detected", "chat template is not applied")
+
+    def filter(self, record) -> bool:
+        msg = " ".join(record.getMessage().split())  # lm-eval re-wraps its text
+        return not any(b in msg for b in self.BENIGN)
+
+
+def quiet_lm_eval_warnings() -> None:
+    import logging
+
+    for name in ("lm_eval.models.api_models", "lm_eval.evaluator"):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, _QuietLmEval) for f in lg.filters):
+            lg.addFilter(_QuietLmEval())
+
+
+def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Path,
+                input_hash: str, tasks_dir: Path) -> QualityResult:
+    """Every lm-eval suite in as few lm-eval calls as there are distinct limits, then drift."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    quiet_lm_eval_warnings()
+    t0 = time.perf_counter()
+    q = recipe.quality
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
+    refs = suites.resolve(q.suites)
+    limit = {r.name: q.limit_of(entry) for entry, r in zip(q.suites, refs, strict=True)}
+    lm_refs = [r for r in refs if r.kind != "drift"]
+    by_limit: dict[int | None, list] = {}
+    for r in lm_refs:  # builtin data is cut when rendered; a user's task is cut by lm-eval's limit
+        suites.render(r, tasks_dir, tok, q, limit[r.name])
+        by_limit.setdefault(limit[r.name] if r.kind == "user" else None, []).append(r)
+    samples, configs, timings = {}, {}, {}
+    if lm_refs:
+        tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+        model_args = lm_eval_model_args(server, model_dir, recipe)
+        for lim, group in by_limit.items():
+            t1 = time.perf_counter()
+            out = lm_eval.simple_evaluate(
+                model="local-completions", model_args=model_args, tasks=[r.task for r in group],
+                task_manager=tm, limit=lim, log_samples=True, random_seed=0, numpy_random_seed=0,
+                torch_random_seed=0, fewshot_random_seed=0)
+            timings["lm_eval: " + ", ".join(r.name for r in group)] = round(time.perf_counter() - t1, 1)
+            samples.update(out["samples"])
+            configs.update(out["configs"])
+    results = {}
+    samples_dir = vdir / "samples"
+    samples_dir.mkdir(parents=True, exist_ok=True)
+    utils = suites.utils_module()
+    for r in lm_refs:
+        rows, metric = score_items(r, samples[r.task], configs.get(r.task, {}), tok, utils)
+        path = samples_dir / f"{r.name}.jsonl"
+        text = "".join(json.dumps(x) + "\n" for x in rows)
+        atomic_write_text(path, text)
+        results[r.name] = suite_quality(r, rows, metric, str(path.relative_to(vdir)),
+                                        hashlib.sha256(text.encode()).hexdigest())
+    drift = None
+    if any(r.kind == "drift" for r in refs):
+        t1 = time.perf_counter()
+        drift = run_drift(server, tok, q.drift, vdir)
+        timings["drift"] = round(time.perf_counter() - t1, 1)
+    return QualityResult(variant=variant, input_hash=input_hash, status="ok",
+                         duration_s=time.perf_counter() - t0, suites=results, drift=drift,
+                         lm_eval_version=lm_eval.__version__,
+                         settings={"backend": "local-completions (vLLM server, echo+logprobs)",
+                                   "limits": {r.name: limit[r.name] for r in lm_refs}, "num_fewshot": 0,
+                                   "correct_metric": {"mc": CORRECT_METRIC, "gen": "acc (evalsuites/qe_utils.py)",
+                                                      "user": "acc_norm if present, else the task's first metric"
+                                                              " == 1"},
+                                   "seconds": timings,
+                                   "prompt_length_buckets": "prompt tokens by the model's tokenizer, "
+                                                            "edges " + ", ".join(map(str, suites.BUCKETS))})
+
+
+def lm_eval_model_args(server: Server, model_dir: Path, recipe) -> dict:
+    """lm-eval's local-completions against the pipeline's server; the fidelity test gives the
+    lm_eval CLI exactly these."""
+    q = recipe.quality
+    return dict(model=SERVED_NAME, base_url=server.base_url + "/v1/completions",
+                tokenizer=str(model_dir), tokenizer_backend="huggingface",
+                tokenized_requests=True, num_concurrent=q.num_concurrent, batch_size=q.batch_size,
+                max_retries=2, max_length=recipe.engine.max_model_len, timeout=600)
+
+
+def _first(x):
+    while isinstance(x, (list, tuple)) and x:
+        x = x[0]
+    return x
+
+
+def score_items(suite, samples: list[dict], config: dict, tok, utils) -> tuple[list[dict], str]:
+    """Per-item rows (kept for audit): correct or not, failure category, slices, prompt length."""
+    rows = []
+    output_type = config.get("output_type") or ("multiple_choice" if suite.kind == "mc" else "generate_until")
+    metric = CORRECT_METRIC if suite.kind == "mc" else "acc"
+    if suite.kind == "user":
+        names = [m["metric"] for m in config.get("metric_list", []) if isinstance(m, dict) and "metric" in m]
+        metric = "acc_norm" if "acc_norm" in names else (names[0] if names else "acc")
+    gen = config.get("generation_kwargs") or {}
+    max_gen = int(gen.get("max_gen_toks", 256))
+    seen = set()
+    for s in samples:
+        if s["doc_id"] in seen:  # a task with several filters logs one sample per filter: keep the first
+            continue
+        seen.add(s["doc_id"])
+        doc = s["doc"]
+        context = _first(s["arguments"])
+        n_prompt = len(tok(str(context), add_special_tokens=False)["input_ids"])
+        slices = {**(doc.get("slices") or {}), "prompt_len": suites.bucket(n_prompt)}
+        correct = int(float(s.get(metric, 0)) >= 1.0)
+        row = {"doc_id": int(s["doc_id"]), "id": doc.get("id", s["doc_id"]),
+               "question": doc.get("question") or str(context)[-2000:], "target": str(s.get("target")),
+               "correct": correct, "prompt_tokens": n_prompt, "slices": slices,
+               "doc_hash": s.get("doc_hash"), "prompt_hash": s.get("prompt_hash")}
+        if output_type == "multiple_choice":
+            lls = [float(_first(r)) for r in s["filtered_resps"]]
+            choices = doc.get("choices") or [str(a[1]) for a in s["arguments"]]
+            row.update(choices=choices, label=doc.get("label", s.get("target")), loglikelihoods=lls,
+                       pred=_argmax_norm(lls, choices) if len(choices) == len(lls) else None,
+                       acc=int(float(s.get("acc", 0)) >= 1.0), chance=1 / max(1, len(lls)),
+                       category="correct" if correct else "wrong")
+        else:
+            text = str(_first(s["filtered_resps"]) or "")
+            n_out = len(tok(text, add_special_tokens=False)["input_ids"])
+            row.update(output=text, output_tokens=n_out, chance=0.0,
+                       category=utils.failure_category(suite.name, doc, text, bool(correct), n_out, max_gen))
+            if suite.kind == "gen":
+                row["question"] = doc.get("question") or doc.get("needle_answer", "")
+        rows.append(row)
+    rows.sort(key=lambda r: r["doc_id"])
+    if not rows:
+        raise ValueError(f"suite {suite.name}: lm-eval returned no items")
+    return rows, metric
+
+
+def _argmax_norm(lls: list[float], choices: list[str]) -> int:
+    """lm-eval's acc_norm choice (api/task.py): loglikelihood / len(choice) in characters."""
+    normed = [ll / max(1, len(str(c))) for ll, c in zip(lls, choices, strict=True)]
+    return max(range(len(normed)), key=normed.__getitem__)
+
+
+def suite_quality(suite, rows: list[dict], metric: str, samples_file: str, sha: str) -> SuiteQuality:
+    k, n = sum(r["correct"] for r in rows), len(rows)
+    lo, hi = stats.wilson(k, n)
+    chance = sum(r["chance"] for r in rows) / n if n else 0.0
+    cats: dict[str, int] = {}
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        cats[r["category"]] = cats.get(r["category"], 0) + 1
+        for dim, val in r["slices"].items():
+            groups.setdefault(f"{dim}={val}", []).append(r)
+    slices = {}
+    for key, rs in sorted(groups.items()):
+        kk, nn = sum(r["correct"] for r in rs), len(rs)
+        a, b = stats.wilson(kk, nn)
+        slices[key] = SliceStat(n=nn, correct=kk, accuracy=kk / nn, ci_low=a, ci_high=b,
+                                chance=sum(r["chance"] for r in rs) / nn)
+    return SuiteQuality(suite=suite.name, n=n, correct=k, accuracy=k / n if n else math.nan, ci_low=lo, ci_high=hi,
+                        chance=chance, near_chance=lo <= chance, metric=metric, kind=suite.kind,
+                        categories=cats, slices=slices, samples_file=samples_file, samples_sha256=sha)
+
+
+def run_drift(server: Server, tok, spec, vdir: Path) -> DriftQuality:
+    windows = drift.windows_from_ids(suites.essay_ids(tok), spec.windows, spec.window_tokens)
+    rows = drift.score_windows(server.port, SERVED_NAME, windows, spec.top_k)
+    path = vdir / "samples" / "drift.jsonl"
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    atomic_write_text(path, text)
+    ppl, tokens = drift.perplexity(rows)
+    return DriftQuality(windows=len(rows), tokens=tokens, window_tokens=spec.window_tokens, top_k=spec.top_k,
+                        perplexity=ppl, corpus=f"{assets.NEEDLE.name}=={assets.NEEDLE.version} essays, last "
+                        f"{len(rows)} x {spec.window_tokens} tokens", samples_file=str(path.relative_to(vdir)),
+                        samples_sha256=hashlib.sha256(text.encode()).hexdigest())
+
+
+def summary(q: QualityResult) -> str:
+    """The stage's console line."""
+    return ", ".join([f"{s} {r.accuracy:.3f} (n={r.n})" for s, r in q.suites.items()]
+                     + ([f"drift PPL {q.drift.perplexity:.2f} ({q.drift.tokens} tokens)"] if q.drift else []))

@@ -1,0 +1,175 @@
+"""Systems of one variant on a running engine: latency cells, memory, KV capacity, roofline.
+
+The primary cell (the one gates read) and every cell of the workload matrix are driven at
+fixed concurrency over fresh prompts (pipeline/prompts.py); KV capacity is read from the
+engine and computed from the config (pipeline/capacity.py); the weights the engine holds are
+reported from inside it (engines/hooks/sitecustomize.py) and feed the decode roofline. The
+admission ramp, when the recipe asks for it, is handed in by the caller (stages/admission.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from pipeline import capacity, modelcfg, stats
+from pipeline.engines import loadgen
+from pipeline.engines.server import SERVED_NAME, Server
+from pipeline.prompts import PromptStream
+from pipeline.results import CellResult, KVCapacity, Latency, Roofline, SystemsResult
+from pipeline.runstore import weight_bytes
+
+
+def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, workload) -> KVCapacity:
+    """KV capacity as the engine reports it (blocks x block size) beside the config arithmetic,
+    and the sequences of the workload's shape it admits at once."""
+    per_token = capacity.kv_bytes_per_token(modelcfg.read(model_dir), kv_bytes_per_elem)
+    block = int(cache.get("block_size") or 0) or None
+    blocks = int(cache["num_gpu_blocks"]) if cache.get("num_gpu_blocks") not in (None, "None") else None
+    pool = int(engine.kv_cache_gib * 2**30)
+    tokens_cfg = None
+    if block:
+        tokens_cfg = (pool // per_token) // block * block
+    seq_len = workload.prompt_tokens + workload.output_tokens
+    tokens = blocks * block if blocks and block else None
+    admission = kv_only = None
+    if blocks and block:
+        kv_only = capacity.admitted(blocks, block, seq_len)
+        admission = min(kv_only, engine.max_num_seqs)
+    mc = cache.get("kv_cache_max_concurrency")
+    return KVCapacity(block_size=block, num_blocks=blocks, tokens=tokens,
+                      max_concurrency=float(mc) if mc not in (None, "None") else None,
+                      bytes_per_token_config=per_token, pool_bytes_config=pool,
+                      tokens_config=tokens_cfg, admission_sequences=admission, admission_kv_only=kv_only)
+
+
+def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_hash: str,
+                kv_bytes_per_elem: int, act_bytes: int, log=print, probe=None) -> SystemsResult:
+    """Warm-up, the primary cell, the matrix cells, KV capacity, then `probe` (the admission ramp,
+    stages/admission.admission_probe, when the recipe asks for it) on the same prompt stream."""
+    from transformers import AutoTokenizer
+
+    t0 = time.perf_counter()
+    w = recipe.workload
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
+    stream = PromptStream(tok)
+    warm = stream.take(w.warmup_requests, w.prompt_tokens)
+    if warm:
+        loadgen.run_closed_loop(server.port, SERVED_NAME, warm, w.output_tokens,
+                                min(w.concurrency, len(warm)), w.request_timeout_s)
+    latency = measure_cell(server, stream, w, w.prompt_tokens, w.output_tokens, w.concurrency, "unique")
+    cells = [CellResult(cell=c.model_dump(), latency=Latency(**measure_cell(
+        server, stream, w, c.prompt_tokens, c.output_tokens, c.concurrency, c.prefix))) for c in w.matrix]
+    kv = kv_capacity(server.cache_config(), model_dir, recipe.engine, kv_bytes_per_elem, w)
+    if kv.num_blocks and kv.block_size:  # admission for every shape of the matrix, too
+        for c in cells:
+            c.admission_sequences = capacity.admitted(kv.num_blocks, kv.block_size,
+                                                      c.cell["prompt_tokens"] + c.cell["output_tokens"],
+                                                      recipe.engine.max_num_seqs)
+    if probe is not None:
+        try:
+            kv.probe = probe(server, stream, recipe.engine, kv, w.request_timeout_s)
+        except (OSError, ValueError) as exc:  # an optional probe must not cost the measured cells
+            log(f"admission probe failed: {type(exc).__name__}: {exc}")
+    error = None
+    if server.proc.poll() is not None:
+        error = f"engine exited (code {server.proc.returncode}) during the workload"
+    elif latency["completed"] == 0:
+        error = f"no request completed ({latency['failed']} failed, {latency['timed_out']} timed out)"
+    loaded = server.loaded_weights()  # logged by the engine once its weights were in place
+    if loaded:  # the decode floor from the bytes the engine really holds
+        weights, source = loaded["parameters"], "parameters as loaded (reported by the engine)"
+    else:
+        weights, source = loaded_weight_bytes(model_dir, act_bytes), FROM_CHECKPOINT
+    return SystemsResult(
+        variant=variant, input_hash=input_hash, status="failed" if error else "ok", error=error,
+        duration_s=time.perf_counter() - t0,
+        checkpoint_bytes=weight_bytes(model_dir), engine_start_s=server.start_s, kv=kv,
+        weight_memory=loaded or {},
+        weight_memory_bytes=loaded["parameters"] + loaded["buffers"] if loaded else None,
+        workload={**w.model_dump(), "prefix_cache": "enabled; primary cell: prompts distinct (cold); "
+                  "'shared' matrix cells: same first half (warm after the first request)"},
+        latency=Latency(**latency), cells=cells,
+        roofline=roofline(weights, kv, w, latency["tpot_ms"]["p50"], source))
+
+
+def record_memory(s: SystemsResult, memory) -> None:
+    """Peak memory of the engine's process tree (and device), sampled until the engine stopped."""
+    s.peak_memory_bytes = memory.peak_tree_rss
+    s.device_memory_peak_bytes = memory.peak_device or None
+    s.device_memory_source = memory.device_source
+
+
+def summary(s: SystemsResult) -> str:
+    """The stage's console line."""
+    lat = s.latency
+    if not lat.completed:
+        return f"all {lat.failed + lat.timed_out} requests failed"
+    return (f"TTFT p50 {lat.ttft_ms.p50:.0f} ms, TPOT p50 {lat.tpot_ms.p50:.1f} ms, "
+            f"KV {s.kv.tokens} tokens, peak {s.peak_memory_bytes / 2**30:.2f} GiB")
+
+
+def loaded_weight_bytes(model_dir: Path, engine_elem_bytes: int) -> int:
+    """Weight bytes the engine reads per step. A dense checkpoint is upcast on load when the
+    engine computes in a wider dtype (bf16 file, float32 engine: twice the bytes); a quantized
+    checkpoint is read as stored (its few unquantized tensors are ignored: approximate)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    stored = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.get("dtype") or cfg.get("torch_dtype"), 2)
+    factor = 1.0 if "quantization_config" in cfg else engine_elem_bytes / stored
+    return int(weight_bytes(model_dir) * factor)
+
+
+def measure_cell(server: Server, stream: PromptStream, w, prompt_tokens: int, output_tokens: int,
+                 concurrency: int, prefix: str) -> dict:
+    """One cell, `w.repeats` times on fresh prompts; the summary of all its requests."""
+    records, wall, repeat_p50 = [], 0.0, []
+    for _ in range(w.repeats):
+        batch = stream.take(w.num_requests, prompt_tokens, shared_prefix=prefix == "shared")
+        recs, secs = loadgen.run_closed_loop(server.port, SERVED_NAME, batch, output_tokens, concurrency,
+                                             w.request_timeout_s)
+        records += recs
+        wall += secs
+        p50 = stats.percentiles([r.tpot * 1000 for r in recs if r.tpot is not None])["p50"]
+        if p50 is not None:
+            repeat_p50.append(p50)
+    latency = loadgen.summarize(records, wall, w.slo_ttft_ms, w.slo_tpot_ms, w.cost_per_hour_usd)
+    latency["repeats_tpot_p50_ms"] = repeat_p50
+    if len(repeat_p50) > 1:
+        latency["tpot_p50_spread"] = (max(repeat_p50) - min(repeat_p50)) / stats.percentiles(repeat_p50)["p50"]
+    return latency
+
+
+FROM_CHECKPOINT = "checkpoint bytes, dense ones scaled to the engine dtype"
+
+
+def roofline(weights: int, kv: KVCapacity, w, tpot_p50_ms: float | None,
+             weights_source: str = FROM_CHECKPOINT) -> Roofline | None:
+    """Decode is bandwidth bound: each step reads every weight once (as loaded) plus the batch's
+    KV cache. Floor TPOT = bytes per step / bandwidth. Approximate: ignores activations, caches."""
+    if not kv.bytes_per_token_config:
+        return None
+    if w.memory_bandwidth_gbps:
+        bw, src = w.memory_bandwidth_gbps, "recipe (workload.memory_bandwidth_gbps)"
+    else:
+        bw, src = measure_bandwidth_gbps(), "measured here: numpy copy of 256 MiB, one thread, best of 5"
+    mean_ctx = w.prompt_tokens + w.output_tokens / 2  # average context over the decode phase
+    step = int(weights + w.concurrency * mean_ctx * kv.bytes_per_token_config)
+    floor_ms = step / (bw * 1e9) * 1000
+    return Roofline(bandwidth_gbps=bw, bandwidth_source=src, bytes_per_step=step, floor_tpot_ms=floor_ms,
+                    weight_bytes=weights, weight_bytes_source=weights_source,
+                    measured_over_floor=tpot_p50_ms / floor_ms if tpot_p50_ms else None)
+
+
+def measure_bandwidth_gbps(mib: int = 256, tries: int = 5) -> float:
+    """Host memory bandwidth a single thread sees (read + write of a large copy)."""
+    import numpy as np
+
+    src = np.ones(mib * 2**20 // 8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(tries):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best / 1e9

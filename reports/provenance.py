@@ -1,0 +1,109 @@
+"""What the numbers were measured on: each variant's scheme and engine support, and the run's
+provenance (recipe, model, engine, versions, hardware, checkpoints, reused results) with the caveats
+a reader needs before trusting a difference.
+
+Reads manifest.json and support.json, error.json and *.origin.json as the dicts they are, and
+quantize.json as QuantizeResult.
+"""
+
+from __future__ import annotations
+
+import json
+from html import escape
+
+from pipeline.results import QuantizeResult
+from reports.html import fmt, mib, table, tag
+from reports.view import Run, Variant
+
+
+def _unquantized(unq: list[str] | None) -> str:
+    if unq is None:
+        return "–"
+    return ", ".join(unq[:4]) + (f" +{len(unq) - 4} more" if len(unq) > 4 else "") or "none"
+
+
+def schemes_section(run: Run) -> str:
+    """What each variant is, how this engine ran it, and what its checkpoint costs per weight."""
+    declared = {v["name"]: v for v in run.manifest["recipe"]["variants"]}
+    rows = []
+    for name, v in run.variants.items():
+        if name == "baseline":
+            continue
+        d, sup, qz = declared.get(name, {}), v.support or {}, v.quantize
+        facts = qz.facts if qz else {}
+        scheme = d.get("scheme", "?") + ("" if d.get("kv_cache", "auto") == "auto" else f" + KV {d['kv_cache']}")
+        mode = sup.get("mode")
+        shown = {"native": "native", "emulated": "emulated (quality only)", "unsupported": "SKIPPED"}.get(mode, "–")
+        rows.append([escape(name), escape(scheme), escape(sup.get("format", "–")),
+                     tag("SKIPPED") if mode == "unsupported" else escape(shown),
+                     mib(qz.checkpoint_bytes if qz else None), fmt(facts.get("bits_per_weight"), 2),
+                     escape(_unquantized(facts.get("unquantized_modules"))),
+                     fmt(qz.quantize_wall_s if qz else None, 0), mib(qz.peak_rss_bytes if qz else None),
+                     escape(sup.get("reason", "–"))])
+    if not rows:
+        return ""
+    return ("<h2>Schemes and engine support</h2><p class='small muted'>Decided before any work from the "
+            "installed engine's own answers (kernels in its ISA library, its kernels' is_supported(), its "
+            "attention backend). Bits/weight in effect = all weight bytes on disk × 8 / base parameters "
+            "(scales and unquantized layers included). Unquantized: 2-D weights left in floating point.</p>"
+            + table(["variant", "scheme", "format", "here", "checkpoint", "bits/weight", "unquantized",
+                     "quantize s", "quantize peak RSS", "engine support"], rows, left=3, last_left=True))
+
+
+def _run_rows(m: dict) -> list[list[str]]:
+    return [["recipe", escape(f"{m['recipe_name']} ({m['recipe_file']}), sha256 {m['recipe_hash'][:16]}…")],
+            ["model", escape(m["model_dir"])],
+            ["weights sha256", escape(m["model"]["weights_sha256"])],
+            ["tokenizer sha256", escape(m["model"]["tokenizer_sha256"])],
+            ["engine dtype", escape(m["engine_dtype"])],
+            ["engine args", f"<code>{escape(json.dumps(m['recipe']['engine']))}</code>"],
+            ["versions", escape(", ".join(f"{k} {v}" for k, v in m["versions"].items()))],
+            ["hardware", escape(json.dumps(m["hardware"]))],
+            ["started / finished (UTC)", escape(f"{m.get('started_utc')} / {m.get('finished_utc', '–')}")]]
+
+
+def _checkpoint_cell(qz: QuantizeResult) -> str:
+    return escape(
+        f"{qz.scheme}, {mib(qz.checkpoint_bytes)}, quantized in {fmt(qz.quantize_wall_s, 0)} s, "
+        f"peak RSS {mib(qz.peak_rss_bytes)}, ignored {qz.ignored_modules}, "
+        f"{'cached ' if qz.cached else ''}key {qz.cache_key}; versions {qz.versions}"
+    ) + "".join(f"<br><span class='small muted'>warning: {escape(w)}</span>" for w in qz.warnings)
+
+
+def _variant_rows(name: str, v: Variant) -> list[list[str]]:
+    rows = []
+    if v.quantize:
+        rows.append([f"{escape(name)} checkpoint", _checkpoint_cell(v.quantize)])
+    if v.error:
+        rows.append([f"{escape(name)} error", escape(v.error["error"])])
+    for stage, o in v.origins.items():
+        rows.append([f"{escape(name)} {stage}", escape(
+            f"reused from the result cache: measured with identical inputs in {o.get('run')} "
+            f"({o.get('stored_utc')})")])
+    if v.support:
+        rows.append([f"{escape(name)} engine support", escape(
+            f"{v.support['mode']} on {v.support['platform']}: {v.support['reason']}")])
+    return rows
+
+
+def _caveats(run: Run) -> list[str]:
+    caveats = [run.manifest["model_note"]] if run.manifest.get("model_note") else []
+    base = run.variants.get("baseline")
+    for suite, s in (base.quality.suites.items() if base and base.quality else []):
+        if s.near_chance:
+            caveats.append(f"Suite {suite}: the baseline's 95% CI reaches chance "
+                           f"({s.chance:.2f}); it cannot show damage.")
+    if run.signoff and any(v.drift for v in run.signoff.variants):
+        caveats.append("Token-level KL is computed from the engines' top-k logprobs: a lower bound of the "
+                       "full-vocabulary KL (see the drift section).")
+    caveats.append("Latency and memory come from one run per variant on shared hardware; treat small "
+                   "differences as noise. Peak memory is sampled, hence approximate.")
+    return caveats
+
+
+def provenance_section(run: Run) -> str:
+    rows = _run_rows(run.manifest)
+    for name, v in run.variants.items():
+        rows += _variant_rows(name, v)
+    return ("<h2>Provenance and caveats</h2>" + "".join(f"<div class='caveat'>{escape(c)}</div>" for c in _caveats(run))
+            + table(["", ""], rows, left=2))

@@ -1,0 +1,44 @@
+"""The top of the page: the sign-off verdict, its recommendation, and every gate it judged.
+
+Both read signoff.json only; the report does not re-judge anything.
+"""
+
+from __future__ import annotations
+
+from html import escape
+
+from reports.html import fmt, table, tag
+from reports.view import Run
+
+
+def verdict_section(run: Run) -> str:
+    so = run.signoff
+    if so is None:
+        return '<div class="banner WARN">NO VERDICT: the run has not finished (no signoff.json)</div>'
+    rec = (f" — recommended: <b>{escape(so.recommended)}</b> "
+           f"<span class='small'>({escape(so.recommendation_rule)})</span>") if so.recommended else ""
+    rows = [[escape(v.variant), tag(v.verdict), escape(v.reason or
+             ", ".join(f"{g.metric}[{g.scope}] {g.outcome}" for g in v.gates) or "no gates")]
+            for v in so.variants]
+    return (f'<div class="banner {escape(so.verdict)}">VERDICT: {escape(so.verdict)}{rec}</div>'
+            + table(["variant", "verdict", "why"], rows, left=3))
+
+
+def gates_section(run: Run) -> str:
+    so = run.signoff
+    if so is None:
+        return ""
+    rows = []
+    for v in so.variants:
+        for g in v.gates:
+            m = g.measured
+            ci = f" [{fmt(m.ci_low, 4)}, {fmt(m.ci_high, 4)}]" if m.ci_low is not None else ""
+            rows.append([escape(v.variant), escape(g.metric), escape(g.scope),
+                         f"{escape(g.op)} {fmt(g.threshold, 4)}", escape(g.severity),
+                         f"{fmt(m.value, 4)}{ci}", escape(g.judged_on), tag(g.outcome), escape(g.note)])
+    if not rows:
+        return "<h2>Gates</h2><p>No gates declared in the recipe.</p>"
+    return ("<h2>Gates</h2><p class='small muted'>Metrics with a confidence interval are judged on its "
+            "conservative end (lower bound for ≥, upper bound for ≤): non-inferiority, not a point ratio."
+            "</p>" + table(["variant", "metric", "scope", "threshold", "severity", "measured [95% CI]",
+                            "judged on", "outcome", "note"], rows, left=3, last_left=True))
