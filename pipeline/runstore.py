@@ -148,7 +148,9 @@ class RunDir:
 
 
 def open_run(runs_dir: Path, recipe_name: str, recipe_hash: str, fresh: bool = False) -> tuple[RunDir, bool]:
-    """The newest run of this recipe name (resumed), else a new folder."""
+    """The newest run of this recipe name (resumed), else a new folder. Absolute: the workers that
+    write into it run from the repository's root, not from where the user started the run."""
+    runs_dir = runs_dir.resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
     if not fresh:
         for cand in sorted(runs_dir.glob(f"{recipe_name}-*"), reverse=True):
