@@ -160,7 +160,7 @@ def support_table(recipe: Recipe) -> list[tuple[str, support.Decision]]:
     for v in recipe.variants:
         fmt = variant_format(v)
         rows.append((v.name, support.decide(fmt, model_cfg) if fmt else support.Decision(
-            "unknown", support.platform_name(), "decided after your recipe writes its checkpoint")))
+            "unknown", support.capabilities()["platform_name"], "decided after your recipe writes its checkpoint")))
     return rows
 
 

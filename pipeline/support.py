@@ -46,14 +46,34 @@ class Decision:
     reason: str
 
 
+# a file of an engine's recorded answers (support_probe's output, with "platform_name"), used instead
+# of asking this machine's engine: to plan for another machine, and in tests to take both branches of
+# every hardware decision whatever the CPU kind
+ANSWERS_ENV = "QUANTIZE_EVAL_SUPPORT_ANSWERS"
+
+
 def platform_name() -> str:
     if envs.has_nvidia_gpu():
         return "cuda"
     return "cpu-avx512" if "avx512f" in provenance.cpu_flags() else "cpu-avx2"
 
 
+def recorded_answers(path: Path) -> dict:
+    """Recorded answers; the platform they name says so, so no decision passes for this machine's."""
+    try:
+        caps = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(f"{ANSWERS_ENV}={path}: not a readable answers file: {exc}") from None
+    if not isinstance(caps, dict) or "platform" not in caps or "platform_name" not in caps:
+        raise RuntimeError(f"{ANSWERS_ENV}={path}: needs 'platform' and 'platform_name' (support_probe output)")
+    return {**caps, "platform_name": f"{caps['platform_name']} (recorded answers, {path.name})"}
+
+
 def capabilities() -> dict:
-    """The engine's answers (support_probe), cached per engine env, host ISA and probe source."""
+    """The engine's answers (support_probe), cached per engine env, host ISA and probe source; or
+    recorded answers named by QUANTIZE_EVAL_SUPPORT_ANSWERS."""
+    if os.environ.get(ANSWERS_ENV):
+        return recorded_answers(Path(os.environ[ANSWERS_ENV]))
     key = hash_obj({"env": envs.requirements_file("engine").read_text(), "platform": platform_name(),
                     "isa": sorted(provenance.cpu_flags()), "probe": sha256_file(PROBE)})[:16]
     path = envs.home() / "support" / f"caps-{key}.json"
@@ -65,7 +85,7 @@ def capabilities() -> dict:
     if not path.exists():
         raise RuntimeError(f"engine support probe wrote nothing; log: {log}")
     os.chmod(path, 0o644)
-    return json.loads(path.read_text())
+    return {**json.loads(path.read_text()), "platform_name": platform_name()}
 
 
 def scheme_format(scheme: str, kv_cache: str) -> Format:
@@ -133,7 +153,7 @@ def shape_problem(fmt: Format, model_cfg: dict, tp: int = 1) -> str | None:
 
 def decide(fmt: Format, model_cfg: dict, caps: dict | None = None) -> Decision:
     caps = caps if caps is not None else capabilities()
-    platform = platform_name()
+    platform = caps.get("platform_name") or platform_name()
     bad = shape_problem(fmt, model_cfg)
     if bad:
         return Decision("unsupported", platform, bad)
@@ -141,7 +161,7 @@ def decide(fmt: Format, model_cfg: dict, caps: dict | None = None) -> Decision:
         return _decide_cuda(fmt, caps, platform)
     if caps.get("platform") != "cpu":
         return Decision("unsupported", platform, f"engine platform {caps.get('platform')!r} is not cpu or cuda")
-    lib = "AVX512 library" if platform == "cpu-avx512" else "AVX2 library"
+    lib = "AVX512 library" if platform.startswith("cpu-avx512") else "AVX2 library"
     if fmt.kv_fp8:
         ok, why = caps["fp8_kv_by_head_size"].get(str(modelcfg.head_dim(model_cfg)), [False, "head size not probed"])
         if not ok:

