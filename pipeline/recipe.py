@@ -17,8 +17,9 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline import metrics, schemes, suitetable
-from pipeline.recipe_files import RecipeError, check_checkpoint_dir, check_llmc_recipe, check_model_dir, one_line, read_mapping
-from pipeline.schemes import W4_SCHEMES  # the schemes that take a group_size
+from pipeline.recipe_files import RecipeError, check_import, check_llmc_recipe, check_model_dir, one_line, read_mapping
+from pipeline.recipe_files import check_checkpoint_dir as check_checkpoint_dir  # re-exported for callers
+from pipeline.schemes import W4_SCHEMES as W4_SCHEMES  # re-exported: the schemes that take a group_size
 
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
 BUILTIN_CALIBRATION = ("xsum",)
@@ -86,7 +87,9 @@ class VariantSpec(Strict):
         "calibrated by llm-compressor, stored in the checkpoint, served with kv_cache_dtype=fp8.")
     checkpoint: str | None = Field(
         None, description="scheme import: a local checkpoint directory (GPTQ or AWQ format as "
-        "AutoGPTQ/AutoAWQ wrote it, or compressed-tensors) made from this recipe's model.")
+        "AutoGPTQ/AutoAWQ wrote it, or compressed-tensors) made from this recipe's model; or "
+        "example:gptq / example:awq, an RTN 4-bit checkpoint of this recipe's model in that layout, "
+        "written into the cache on first use (to try import without a checkpoint of your own).")
     recipe: str | None = Field(
         None, description="scheme custom: an llm-compressor recipe YAML file, used unchanged.")
     smoothing_strength: float = Field(
@@ -363,7 +366,7 @@ def load(path: str | Path) -> Recipe:
         check_model_dir(Path(recipe.model.path), p)
     for i, v in enumerate(recipe.variants):
         if v.checkpoint is not None:
-            check_checkpoint_dir(Path(v.checkpoint), p, f"variants.{i}.checkpoint")
+            check_import(v.checkpoint, p, f"variants.{i}.checkpoint")
         if v.recipe is not None:
             check_llmc_recipe(Path(v.recipe), p, f"variants.{i}.recipe")
     _check_suites(recipe, p)

@@ -61,6 +61,19 @@ def read_mapping(p: Path) -> dict:
     return data
 
 
+EXAMPLE = "example:"  # checkpoint: example:gptq, written on first use (pipeline/stages/quantize.py)
+EXAMPLE_FORMATS = ("gptq", "awq")
+
+
+def check_import(checkpoint: str, recipe_path: Path, field: str) -> None:
+    """An import variant's checkpoint: a folder that holds one, or one of the examples."""
+    if not checkpoint.startswith(EXAMPLE):
+        return check_checkpoint_dir(Path(checkpoint), recipe_path, field)
+    if checkpoint[len(EXAMPLE):] not in EXAMPLE_FORMATS:
+        raise RecipeError(f"{recipe_path}: {field}: {checkpoint!r}: examples are "
+                          + ", ".join(EXAMPLE + f for f in EXAMPLE_FORMATS))
+
+
 def check_checkpoint_dir(ckpt: Path, recipe_path: Path, field: str) -> None:
     if not (ckpt / "config.json").is_file():
         raise RecipeError(f"{recipe_path}: {field}: {ckpt} has no config.json (not a checkpoint directory; "

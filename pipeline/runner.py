@@ -101,10 +101,13 @@ def engine_extra_args(v, weights_dir: Path, model_dir: Path) -> list[str]:
     return extra
 
 
-def variant_format(v) -> support.Format | None:
-    """What the engine will be asked to run; None for a custom recipe until its checkpoint exists."""
+def variant_format(v, checkpoint: Path | None = None) -> support.Format | None:
+    """What the engine will be asked to run; None for a custom recipe until its checkpoint exists
+    (and for an example import before it is written)."""
     if v.scheme == "import":
-        fmt = support.checkpoint_format(modelcfg.read(Path(v.checkpoint)))
+        if checkpoint is None:
+            return None
+        fmt = support.checkpoint_format(modelcfg.read(checkpoint))
         return support.Format(fmt.weights, fmt.kv_fp8 or v.kv_cache != "auto", fmt.detail)
     if v.scheme == "custom":
         return None
@@ -124,13 +127,14 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
     """Support decision -> weights (quantized, imported, or the base for load-time schemes) ->
     evaluation; a variant this engine cannot run ends SKIPPED before anything is spent on it."""
     model_cfg = modelcfg.read(ctx.model_dir)
-    fmt = variant_format(v)
+    imported = quantize_stage.checkpoint_of(v, ctx.model_dir, ctx.model_id) if v.scheme == "import" else None
+    fmt = variant_format(v, imported)
     decision = _judge(v, vdir, fmt, model_cfg, ctx.dtype) if fmt else None
     if decision and decision.mode == "unsupported":
         return
     qr = None
-    if v.scheme == "import":
-        qr = quantize_stage.import_checkpoint(v, vdir, ctx.model_dir)
+    if imported:
+        qr = quantize_stage.import_checkpoint(v, vdir, ctx.model_dir, imported)
     elif v.quantized_offline:
         qr = quantize_stage.quantize(ctx.recipe, v, ctx.model_dir, ctx.model_id, vdir, spent,
                                      also_dense=bool(decision and decision.mode == "emulated"))
@@ -160,7 +164,9 @@ def support_table(recipe: Recipe) -> list[tuple[str, support.Decision]]:
     dtype = provenance.resolve_dtype(recipe.engine.dtype)
     rows = []
     for v in recipe.variants:
-        fmt = variant_format(v)
+        example = v.scheme == "import" and v.checkpoint.startswith("example:")
+        fmt = support.Format("wna16", v.kv_cache != "auto", "example RTN 4-bit") if example else variant_format(
+            v, Path(v.checkpoint) if v.scheme == "import" else None)
         rows.append((v.name, support.decide(fmt, model_cfg, dtype=dtype) if fmt else support.Decision(
             "unknown", support.capabilities()["platform_name"], "decided after your recipe writes its checkpoint")))
     return rows

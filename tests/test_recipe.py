@@ -29,13 +29,19 @@ def base() -> dict:
 
 @pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_recipes_validate(path, tmp_path, monkeypatch):
-    if path.name == "import.yaml":  # its checkpoints are the user's (or make-legacy's): until they
-        monkeypatch.chdir(tmp_path)  # exist it must say which field points nowhere
-        with pytest.raises(RecipeError, match="variants.0.checkpoint: imports/smollm2-gptq has no config.json"):
-            load(path)
-        return
+    monkeypatch.chdir(tmp_path)  # from any folder: import.yaml's example checkpoints need none of the user's
     r = load(path)
     assert r.variants
+
+
+def test_import_checkpoints_are_a_folder_or_a_known_example(tmp_path):
+    d = base()
+    d["variants"] = [{"name": "imp", "scheme": "import", "checkpoint": "imports/smollm2-gptq"}]
+    with pytest.raises(RecipeError, match="variants.0.checkpoint: imports/smollm2-gptq has no config.json"):
+        load(write(tmp_path, d))
+    d["variants"][0]["checkpoint"] = "example:exl2"
+    with pytest.raises(RecipeError, match="variants.0.checkpoint: 'example:exl2': examples are example:gptq"):
+        load(write(tmp_path, d))
 
 
 def test_defaults_and_baseline_is_implicit():

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pipeline import assets, checkpoints, envs, keys, provenance
 from pipeline.console import say
+from pipeline.recipe_files import EXAMPLE
 from pipeline.results import QuantizeResult
 from pipeline.runstore import atomic_dir, hash_obj, read_result, weight_bytes, write_json
 from pipeline.schemes import W4_SCHEMES
@@ -135,9 +136,25 @@ def dense_copy(qr: QuantizeResult, vdir: Path, spent) -> Path:
     return out
 
 
-def import_checkpoint(v, vdir: Path, base: Path) -> QuantizeResult:
+def checkpoint_of(v, base: Path, base_hash: str) -> Path:
+    """The folder an import variant names; `example:gptq` / `example:awq`: an RTN 4-bit checkpoint of
+    the base model in that layout, written into the cache once (pipeline/legacy_formats.py)."""
+    if not v.checkpoint.startswith(EXAMPLE):
+        return Path(v.checkpoint).resolve()
+    fmt = v.checkpoint[len(EXAMPLE):]
+    out = envs.home() / "imports" / f"{base_hash[:16]}-{fmt}"
+    if not (out / "config.json").exists():
+        from pipeline import legacy_formats
+
+        say(v.name, f"import: writing an example {fmt}-format checkpoint of the base model (RTN 4-bit, "
+                    f"first use) to {out}")
+        with atomic_dir(out) as tmp:
+            legacy_formats.write(base, tmp, fmt)
+    return out
+
+
+def import_checkpoint(v, vdir: Path, base: Path, ckpt: Path) -> QuantizeResult:
     """An existing checkpoint as a variant: nothing is quantized, its facts are recorded."""
-    ckpt = Path(v.checkpoint).resolve()
     key = hash_obj(provenance.model_hashes(ckpt))
     done = read_result(vdir / "quantize.json", QuantizeResult, key)
     if done and done.status == "ok":

@@ -1,0 +1,103 @@
+"""Every scheme of recipes/matrix.yaml on this machine, at small sizes, recorded as dated rows.
+
+    python3 benchmarks/hardware_matrix.py [--no-write]
+
+Runs the matrix (the default model; PIQA 50 items; 8 requests of 128 + 32 tokens at concurrency
+2; 4 x 128 calibration tokens) through `./quantize-eval` in a temporary folder, prints one row
+per scheme (native / emulated / SKIPPED and why, whether it loaded and served, output tokens/s,
+KV tokens, PIQA accuracy) and appends them, stamped with the date, CPU model, ISA flags and the
+vLLM build, to docs/measured-hardware.md. Run it on each kind of machine a session lands on
+whose rows are missing or stale; the README's support matrix cites these rows.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.engine_env import reexec_under_engine_env  # noqa: E402
+
+reexec_under_engine_env(__file__)
+import yaml  # noqa: E402  (the engine environment has it)
+
+DOC = ROOT / "docs" / "measured-hardware.md"
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8", "amx_fp8")
+
+
+def small_matrix(out: Path) -> Path:
+    r = yaml.safe_load((ROOT / "recipes" / "matrix.yaml").read_text())
+    r.update(name="hardware-matrix", runs_dir=str(out / "runs"), gates=[], objective="best_quality")
+    r["calibration"].update(num_samples=4, max_seq_len=128)
+    r["quality"] = {"suites": ["piqa"], "limit": 50}
+    r["workload"] = {"prompt_tokens": 128, "output_tokens": 32, "concurrency": 2, "num_requests": 8,
+                     "warmup_requests": 1}
+    path = out / "hardware-matrix.yaml"
+    path.write_text(yaml.safe_dump(r, sort_keys=False))
+    return path
+
+
+def cpu() -> tuple[str, str]:
+    text = Path("/proc/cpuinfo").read_text()
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+    return model, " ".join(f for f in FLAGS if f in flags)
+
+
+def rows(run: Path) -> list[list[str]]:
+    data = json.loads((run / "results.json").read_text())
+    out = []
+    for name, v in data["variants"].items():
+        sup, s, q = v.get("support") or {}, v.get("systems") or {}, v.get("quality") or {}
+        err = (v.get("error") or {}).get("error")
+        mode = "baseline" if name == "baseline" else {"unsupported": "SKIPPED"}.get(sup.get("mode"), sup.get("mode", "?"))
+        lat = s.get("latency") or {}
+        piqa = (q.get("suites") or {}).get("piqa") or {}
+        served = "yes" if lat.get("completed") else ("quality only" if q.get("status") == "ok" else "no")
+        out.append([name, mode, "FAILED: " + err[:120] if err else served,
+                    f"{lat['output_tok_per_s']:.1f}" if lat.get("output_tok_per_s") else "–",
+                    str((s.get("kv") or {}).get("tokens") or "–"),
+                    f"{piqa['accuracy']:.3f}" if piqa else "–",
+                    (sup.get("reason") or "").replace("|", "/")[:160]])
+    return out
+
+
+def main() -> int:
+    write = "--no-write" not in sys.argv
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = small_matrix(Path(tmp))
+        t0 = time.perf_counter()
+        proc = subprocess.run([str(ROOT / "quantize-eval"), str(recipe)], cwd=tmp, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        run = next((Path(tmp) / "runs").glob("hardware-matrix-*"), None)
+        if run is None or not (run / "results.json").exists():
+            print(proc.stdout[-3000:], proc.stderr[-3000:])
+            return 1
+        manifest = json.loads((run / "manifest.json").read_text())
+        table = rows(run)
+    model, flags = cpu()
+    vllm = next((f"{k} {v}" for k, v in manifest["versions"].items() if k.startswith("vllm")), "vllm ?")
+    head = (f"\n## {time.strftime('%Y-%m-%d')}: {model} ({flags}), {vllm}, engine dtype {manifest['engine_dtype']}\n\n"
+            f"`python3 benchmarks/hardware_matrix.py`, {wall:.0f} s wall, exit {proc.returncode}. "
+            "PIQA 50 items (±0.13 at 95%: tells broken from working, not small differences).\n\n"
+            "| variant | here | served | output tok/s | KV tokens | PIQA acc | engine support says |\n"
+            "|---|---|---|---|---|---|---|\n")
+    text = head + "".join("| " + " | ".join(r) + " |\n" for r in table)
+    print(text)
+    if write:
+        if not DOC.exists():
+            DOC.write_text("# Measured hardware\n\nRows appended by `benchmarks/hardware_matrix.py`, one section per "
+                           "machine and date: what each scheme of `recipes/matrix.yaml` did on that CPU kind.\n")
+        with open(DOC, "a") as f:
+            f.write(text)
+        print(f"appended to {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
