@@ -29,6 +29,7 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
     model = tinymodel.build(tmp / "tiny-llama", seed=int.from_bytes(os.urandom(2), "little"))
     legacy_formats.write(model, tmp / "tiny-gptq", "gptq")  # an AutoGPTQ-layout checkpoint to import
+    compressed_tensors_checkpoint(model, tmp / "tiny-ct")  # and a compressed-tensors one, the third format
     recipe = {
         "schema_version": 1, "name": "tiny", "model": {"path": str(model)},
         "engine": {"max_model_len": 512, "max_num_seqs": 8, "kv_cache_gib": 0.25},
@@ -36,6 +37,7 @@ def run(tmp_path_factory):
         "variants": [{"name": "awq", "scheme": "awq_w4a16", "group_size": 64},
                      {"name": "w8a8", "scheme": "w8a8_int8"},
                      {"name": "imported", "scheme": "import", "checkpoint": str(tmp / "tiny-gptq")},
+                     {"name": "imported-ct", "scheme": "import", "checkpoint": str(tmp / "tiny-ct")},
                      {"name": "kvfp8", "scheme": "none", "kv_cache": "fp8"}],
         "quality": {"suites": ["piqa", "siqa", "asdiv", "needle", "drift"], "limit": 12,
                     "limits": {"asdiv": 4}, "bootstrap_samples": 200,
@@ -63,6 +65,20 @@ def run(tmp_path_factory):
             "dir": run_dirs[-1] if run_dirs else None}
 
 
+def compressed_tensors_checkpoint(model: Path, out: Path) -> None:
+    """An RTN W4A16 compressed-tensors checkpoint, written by llm-compressor (the quantize worker)."""
+    from pipeline import assets, envs
+
+    spec = {"model_dir": str(model), "out_dir": str(out), "scheme": "rtn_w4a16", "kv_cache": "auto",
+            "group_size": 64, "ignore": ["lm_head"], "calibration_file": str(assets.calibration_text("xsum")),
+            "num_samples": 2, "max_seq_len": 32, "seed": 0, "trust_remote_code": False,
+            "calibration_dtype": "float32", "smoothing_strength": 0.8, "recipe_file": None}
+    (out.parent / "ct-spec.json").write_text(json.dumps(spec))
+    envs.run_module("quantize", "pipeline.engines.quantize_worker",
+                    [str(out.parent / "ct-spec.json"), str(out.parent / "ct-result.json")],
+                    out.parent / "ct-quantize.log", 900, "quantize a compressed-tensors checkpoint to import")
+
+
 def load(run, *parts):
     return json.loads(run["dir"].joinpath(*parts).read_text())
 
@@ -73,7 +89,7 @@ def test_run_completes_with_verdict(run):
     assert "VERDICT:" in p.stdout and "report:" in p.stdout
     so = load(run, "signoff.json")
     assert so["exit_code"] == 0 and so["verdict"] in ("PASS", "WARN")
-    assert [v["variant"] for v in so["variants"]] == ["awq", "w8a8", "imported", "kvfp8"]
+    assert [v["variant"] for v in so["variants"]] == ["awq", "w8a8", "imported", "imported-ct", "kvfp8"]
     html = (run["dir"] / "report.html").read_text()
     assert "VERDICT" in html and "awq" in html
 
@@ -134,6 +150,9 @@ def test_every_kind_of_variant_end_to_end(run):
     assert imp["scheme"] == "import (gptq)" and imp["checkpoint_dir"] == str(run["tmp"] / "tiny-gptq")
     assert load(run, "imported", "support.json")["format"] == "wna16"
     assert load(run, "imported", "quality.json")["status"] == "ok"
+    ct = load(run, "imported-ct", "quantize.json")  # the third format: compressed-tensors, imported
+    assert ct["scheme"] == "import (compressed-tensors)" and load(run, "imported-ct", "support.json")["format"] == "wna16"
+    assert load(run, "imported-ct", "quality.json")["status"] == "ok"
     kv = load(run, "kvfp8", "support.json")
     if kv["mode"] == "unsupported":
         assert verdicts["kvfp8"]["verdict"] == "SKIPPED" and "FP8 KV" in verdicts["kvfp8"]["reason"]
@@ -193,7 +212,22 @@ def test_quantized_checkpoint_really_differs(run):
 def evaluated(run) -> list[str]:
     """What the first run evaluated: everything but the FP8-KV variant where this CPU cannot run it."""
     kv_native = load(run, "kvfp8", "support.json")["mode"] != "unsupported"
-    return ["baseline", "awq", "w8a8", "imported"] + (["kvfp8"] if kv_native else [])
+    return ["baseline", "awq", "w8a8", "imported", "imported-ct"] + (["kvfp8"] if kv_native else [])
+
+
+def test_emulated_variants_are_served_exactly_their_quantized_values(run, tmp_path):
+    """The AWQ checkpoint and the imported compressed-tensors one were served as dense copies (the
+    AVX2 kind has no 4-bit kernel): each holds exactly compressed-tensors' own decompression."""
+    from pipeline import envs
+
+    for name in ("awq", "imported-ct"):
+        ckpt = Path(load(run, name, "quantize.json")["checkpoint_dir"])
+        dense = next(ckpt.parent.glob(ckpt.name + "-dense-*"))
+        out = tmp_path / f"{name}.json"
+        envs.run_module("quantize", "tests.emulation_check", [str(ckpt), str(dense), str(out)],
+                        tmp_path / f"{name}.log", 600, "emulation check")
+        r = json.loads(out.read_text())
+        assert r["modules"] == 28 and r["exact"] == 28 and r["max_distinct_per_group"] <= 16, (name, r)
 
 
 def test_rerun_resumes_without_recomputing(run):
@@ -251,7 +285,8 @@ def test_adding_a_variant_costs_only_that_variant(run):
     assert len(starts) == 1 and "mine |" in starts[0]
     assert again.stdout.count("evaluate: done earlier") == len(evaluated(run))
     assert "1 engine start(s)" in again.stdout
-    assert [v["variant"] for v in load(run, "signoff.json")["variants"]] == ["awq", "w8a8", "imported", "kvfp8",
+    assert [v["variant"] for v in load(run, "signoff.json")["variants"]] == ["awq", "w8a8", "imported", "imported-ct",
+                                                                            "kvfp8",
                                                                             "mine"]
     qz = load(run, "mine", "quantize.json")
     assert qz["scheme"] == "custom" and "scheme: W4A16" in qz["llmcompressor_recipe"]

@@ -47,6 +47,8 @@ CASES = [
     ("fp8_block", "fp8_block", "auto", "none"),
     ("fp8_dynamic", "fp8_dynamic", "auto", "none"),
     ("rtn_w4a16", "rtn_w4a16", "auto", "none"),
+    ("gptq_w4a16", "gptq_w4a16", "auto", "none"),
+    ("w8a8_kv_fp8_calibrated", "w8a8_int8", "fp8_calibrated", "none"),
     ("kv_fp8_calibrated", "none", "fp8_calibrated", "none"),
     ("kv_fp8_engine", "none", "fp8", "none"),
     ("bnb_nf4", "bnb_nf4", "auto", "bitsandbytes"),
@@ -157,7 +159,7 @@ def test_scheme_against_engine(tiny, tmp_path, case, scheme, kv, quant):
         t = load_file(next(ckpt.glob("*.safetensors")))
         assert float(t["model.layers.0.self_attn.k_scale"].float()) > 0
         assert float(t["model.layers.0.self_attn.k_scale"].float()) != 1.0
-    if scheme in ("rtn_w4a16",):
+    if scheme in ("rtn_w4a16", "gptq_w4a16"):
         assert table[f"{q}.weight_packed"][0] == "I32"
     if scheme == "bnb_int8":
         assert table[f"{q}.weight"][0] == "I8"
@@ -175,6 +177,37 @@ def test_scheme_against_engine(tiny, tmp_path, case, scheme, kv, quant):
         assert not result["ok"] or slow, (decision, result, kernels)
     if decision.mode == "unsupported":
         assert decision.reason
+
+
+def emulation_check(ckpt: Path, dense: Path, tmp: Path) -> dict:
+    """tests/emulation_check.py under the quantize environment (compressed-tensors that wrote ckpt)."""
+    out = tmp / f"emulation-{ckpt.name}-{dense.name}.json"
+    envs.run_module("quantize", "tests.emulation_check", [str(ckpt), str(dense), str(out)],
+                    tmp / f"emulation-{dense.name}.log", 600, "emulation check")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", ["rtn_w4a16", "gptq_w4a16"])
+def test_emulation_is_exact(tiny, tmp_path, case):
+    """The dense copy an engine without the 4-bit kernel serves holds exactly what compressed-tensors'
+    own decompression gives, at most 16 values per group; a copy one ulp off is caught."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ckpt = produce(tiny, case, case, "auto")
+    dense = tmp_path / "dense"
+    envs.run_module("quantize", "pipeline.engines.dequantize_worker", [str(ckpt), str(dense)],
+                    tmp_path / "dequantize.log", 600, "dequantization")
+    r = emulation_check(ckpt, dense, tmp_path)
+    assert r["modules"] == 4 * 7 and r["exact"] == r["modules"] and r["mismatch"] == [], r
+    assert 2 < r["max_distinct_per_group"] <= 2 ** r["bits"]
+    f = next(dense.glob("*.safetensors"))
+    t = load_file(f)
+    w = t["model.layers.1.mlp.down_proj.weight"]
+    t["model.layers.1.mlp.down_proj.weight"] = torch.nextafter(w, torch.full_like(w, float("inf")))
+    save_file(t, f, metadata={"format": "pt"})
+    off = emulation_check(ckpt, dense, tmp_path)
+    assert off["mismatch"] == ["model.layers.1.mlp.down_proj"]
 
 
 def test_fp8_kv_doubles_capacity(tiny, tmp_path):
