@@ -94,7 +94,14 @@ def cmd_report(args) -> int:
 
 
 def cmd_validate(args, recipe) -> int:
-    print(f"{args.recipe}: ok ({len(recipe.variants)} variant(s) + baseline, {len(recipe.gates)} gate(s))")
+    from pipeline import preflight
+
+    try:
+        pending = preflight.for_validate(recipe, Path(args.recipe))
+    except preflight.PreflightError as exc:
+        return fail(str(exc))
+    print(f"{args.recipe}: ok ({len(recipe.variants)} variant(s) + baseline, {len(recipe.gates)} gate(s))"
+          + (f"; {pending}" if pending else ""))
     if args.support:
         from pipeline import runner
 

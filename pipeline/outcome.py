@@ -44,6 +44,7 @@ class VariantOutcome:
     systems: SystemsResult | None = None
     skipped: str | None = None
     error: str | None = None
+    support: dict | None = None  # the engine support decision (support.json), for variants
 
     @classmethod
     def coerce(cls, obj) -> VariantOutcome:
@@ -52,7 +53,7 @@ class VariantOutcome:
             return obj
         d = dict(obj or {})
         return cls(quantize=d.get("quantize"), quality=d.get("quality"), systems=d.get("systems"),
-                   skipped=d.get("skipped"), error=d.get("error"))
+                   skipped=d.get("skipped"), error=d.get("error"), support=d.get("support"))
 
 
 def _json(path: Path) -> dict:
@@ -68,8 +69,8 @@ def read(vdir: Path) -> VariantOutcome:
     err = _json(vdir / "error.json").get("error")
     if err:
         return VariantOutcome(error=err)
-    out = VariantOutcome(quantize=read_result(vdir / "quantize.json", QuantizeResult))
     support = _json(vdir / "support.json")
+    out = VariantOutcome(quantize=read_result(vdir / "quantize.json", QuantizeResult), support=support or None)
     if support.get("mode") == "unsupported":
         out.skipped = support.get("reason", "unsupported")
         return out

@@ -62,6 +62,8 @@ def configured_sources() -> tuple[list[str], list[str]]:
         if not values[opt] and os.environ.get(env):
             values[opt] = os.environ[env].split()
     indexes = (values["index-url"][:1] or [DEFAULT_INDEX]) + values["extra-index-url"]
+    if os.environ.get("PIP_NO_INDEX", "").lower() in ("1", "true", "yes", "on"):
+        indexes = []  # pip's --no-index: find-links alone
     return list(dict.fromkeys(indexes)), list(dict.fromkeys(values["find-links"]))
 
 

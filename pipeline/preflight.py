@@ -77,6 +77,22 @@ def check_runs_dir(recipe: Recipe, recipe_path: Path) -> None:
         raise PreflightError(f"{recipe_path}: runs_dir {runs} is not writable")
 
 
+def for_validate(recipe: Recipe, recipe_path: Path) -> str | None:
+    """The checks `run` makes before any work, as far as they need nothing fetched or converted:
+    `validate` applies them. Returns what it could not check yet, or None."""
+    if recipe.model.builtin:
+        model_dir = envs.home() / "models" / f"{recipe.model.builtin}-bf16"
+        if not (model_dir / "qe-model.json").exists():
+            check_runs_dir(recipe, recipe_path)
+            return "model limits: checked once the builtin model is converted (on the first run)"
+    else:
+        model_dir = Path(recipe.model.path).resolve()
+    check_model_limits(recipe, recipe_path, model_dir)
+    check_disk(recipe, model_dir)
+    check_runs_dir(recipe, recipe_path)
+    return None
+
+
 def preflight(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
     check_model_limits(recipe, recipe_path, model_dir)
     check_disk(recipe, model_dir)

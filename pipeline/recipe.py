@@ -390,7 +390,8 @@ def _check_suites(recipe: Recipe, p: Path) -> None:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise RecipeError(f"{p}: quality.suites: task name(s) {', '.join(dupes)} appear twice")
+    from pipeline.gatecheck import scope_problem
+
     for i, g in enumerate(recipe.gates):
-        if g.scope not in ("overall", "each_suite") and g.scope.split("/")[0] not in names:
-            raise RecipeError(f"{p}: gates.{i}.scope: {g.scope!r} is not a suite this recipe runs "
-                              f"({', '.join(names)})")
+        if problem := scope_problem(recipe, g.metric, g.scope, names):
+            raise RecipeError(f"{p}: gates.{i}.scope: {problem}")

@@ -107,5 +107,15 @@ def check_model_dir(model_dir: Path, recipe_path: Path) -> None:
         raise RecipeError(f"{recipe_path}: model.path: {model_dir} is not a directory")
     if not (model_dir / "config.json").is_file():
         raise RecipeError(f"{recipe_path}: model.path: {model_dir} has no config.json")
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise RecipeError(f"{recipe_path}: model.path: {model_dir / 'config.json'} is not valid JSON: "
+                          f"{one_line(exc)}") from None
+    if not isinstance(cfg, dict) or not cfg.get("architectures"):
+        raise RecipeError(f"{recipe_path}: model.path: {model_dir / 'config.json'} names no architectures "
+                          "(the engine picks its model class from it)")
+    if not any(model_dir.glob("*.safetensors")) and not any(model_dir.glob("*.bin")):
+        raise RecipeError(f"{recipe_path}: model.path: {model_dir} has no weights (*.safetensors or *.bin)")
     if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise RecipeError(f"{recipe_path}: model.path: {model_dir} has no tokenizer")

@@ -246,7 +246,7 @@ class GateOutcome(Model):
     severity: Literal["fail", "warn"]
     judged_on: str
     measured: Measured
-    outcome: Literal["PASS", "WARN", "FAIL", "N/A"]
+    outcome: Literal["PASS", "WARN", "FAIL", "N/A", "ERROR"]
     note: str = ""
 
 
@@ -284,7 +284,9 @@ class PairedSlice(Model):
     near_chance: bool
 
 
-Verdict = Literal["PASS", "WARN", "FAIL", "SKIPPED", "FAILED-TO-RUN"]
+# UNVERIFIED: every gate that was measured passes, but a fail gate could not be measured on this
+# hardware (the engine here has no kernel for the variant's scheme): not signed, not failed
+Verdict = Literal["PASS", "WARN", "FAIL", "UNVERIFIED", "SKIPPED", "FAILED-TO-RUN"]
 
 
 class VariantSignoff(Model):
@@ -300,7 +302,7 @@ class Signoff(Model):
     schema_version: Literal[1] = 1
     recipe: str
     recipe_hash: str
-    verdict: Literal["PASS", "WARN", "FAIL"]
+    verdict: Literal["PASS", "WARN", "FAIL", "UNVERIFIED"]
     exit_code: int
     variants: list[VariantSignoff]
     recommended: str | None = None

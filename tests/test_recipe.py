@@ -141,10 +141,29 @@ def test_missing_model_dir(tmp_path):
 def test_model_dir_without_tokenizer(tmp_path):
     m = tmp_path / "m"
     m.mkdir()
-    (m / "config.json").write_text("{}")
+    (m / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (m / "model.safetensors").write_bytes(b"\0" * 64)
     d = base()
     d["model"] = {"path": str(m)}
     with pytest.raises(RecipeError, match="has no tokenizer"):
+        load(write(tmp_path, d))
+
+
+@pytest.mark.parametrize("config,weights,expect", [
+    ('{"architectures": [', True, r"model.path: .*config.json is not valid JSON"),
+    ('{"model_type": "llama"}', True, r"config.json names no architectures"),
+    ('{"architectures": ["LlamaForCausalLM"]}', False, r"has no weights \(\*.safetensors or \*.bin\)"),
+])
+def test_model_folder_is_checked_before_anything_runs(tmp_path, config, weights, expect):
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "config.json").write_text(config)
+    (m / "tokenizer.json").write_text("{}")
+    if weights:
+        (m / "model.safetensors").write_bytes(b"\0" * 64)
+    d = base()
+    d["model"] = {"path": str(m)}
+    with pytest.raises(RecipeError, match=expect):
         load(write(tmp_path, d))
 
 
@@ -192,7 +211,8 @@ def test_cli_validate_ok(capsys):
 def tiny_config_dir(tmp_path: Path, **cfg) -> Path:
     m = tmp_path / "model"
     m.mkdir()
-    (m / "config.json").write_text(json.dumps({"max_position_embeddings": 1024, **cfg}))
+    (m / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 1024,
+                                               **cfg}))
     (m / "tokenizer.json").write_text("{}")
     (m / "model.safetensors").write_bytes(b"\0" * 4096)
     return m
@@ -246,6 +266,20 @@ def test_missing_suite_data_is_exit_2(tmp_path):
     assert proc.stderr.count("\n") == 1 and not (tmp_path / "runs").exists()
 
 
+def test_validate_applies_the_checks_run_makes_first(tmp_path):
+    """What `run` would refuse before any work, `validate` refuses too: no hour lost to a typo."""
+    d = base()
+    d["model"] = {"path": str(tiny_config_dir(tmp_path, hidden_size=576, intermediate_size=1536))}
+    d["engine"]["max_model_len"] = 512
+    d["variants"][0]["group_size"] = 128
+    path = write(tmp_path, d)
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "validate", str(path)], capture_output=True,
+                          text=True, cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
+                                                        "QUANTIZE_EVAL_HOME": str(tmp_path / "home")}, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "variants.0.group_size: 128 does not divide the model's hidden_size = 576" in proc.stderr
+
+
 def test_group_size_must_tile_the_model(tmp_path):
     d = base()
     d["model"] = {"path": str(tiny_config_dir(tmp_path, hidden_size=576, intermediate_size=1536))}
@@ -262,3 +296,27 @@ def test_matrix_cells_are_checked_against_max_model_len(tmp_path):
     d["workload"]["matrix"] = [{"prompt_tokens": 4000, "output_tokens": 64, "concurrency": 2}]
     with pytest.raises(RecipeError, match="workload.matrix.0: prompt_tokens \\+ output_tokens = 4064 exceeds"):
         load(write(tmp_path, d))
+
+
+@pytest.mark.parametrize("metric,scope,expect", [
+    ("accuracy", "drift", "accuracy is judged on scored items; drift has none"),
+    ("accuracy_delta", "bigbench/categroy=navigate", "bigbench is sliced by category, prompt_len"),
+    ("accuracy_delta", "bigbench/category=navigat", "bigbench/category takes the values .*navigate"),
+    ("accuracy_delta", "needle/context=999 tok", "needle/context takes the values 128 tok, 256 tok"),
+    ("accuracy_delta", "piqa/prompt_len=0-31", "piqa/prompt_len takes the values 0-31 tok"),
+    ("accuracy", "mmlu", "'mmlu' is not a suite this recipe runs"),
+    ("accuracy_delta", "bigbench/category=navigate", None),
+    ("accuracy_delta", "needle/depth=100%", None),
+    ("accuracy", "piqa/prompt_len=64-127 tok", None),
+])
+def test_every_gate_scope_is_one_sign_off_can_judge(tmp_path, metric, scope, expect):
+    """A scope validate accepts must be one the results will have: else N/A -> FAIL after the run."""
+    d = base()
+    d["quality"] = {"suites": ["piqa", "bigbench", "needle", "drift"], "limit": 10,
+                    "needle": {"context_tokens": [128, 256], "depths": [0.0, 1.0], "per_cell": 1}}
+    d["gates"] = [{"metric": metric, "scope": scope, "op": ">=", "threshold": -0.1}]
+    if expect is None:
+        assert load(write(tmp_path, d)).gates[0].scope == scope
+    else:
+        with pytest.raises(RecipeError, match=f"gates.0.scope: .*{expect}"):
+            load(write(tmp_path, d))

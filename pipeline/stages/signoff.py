@@ -13,7 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from pipeline import drift, metrics, stats
+from pipeline import drift, metrics, stats, support
 from pipeline.outcome import VariantOutcome
 from pipeline.results import (
     GateOutcome,
@@ -115,21 +115,41 @@ def judge(gate, measured: Measured, why_missing: str = "not measured") -> GateOu
                        severity=gate.severity, judged_on=judged_on, measured=measured, outcome=outcome)
 
 
+def _one_gate(g, scope: str, inp: metrics.Inputs) -> GateOutcome:
+    """One gate on one scope; an error computing it is that gate's ERROR, never sign-off's crash."""
+    m = metrics.METRICS[g.metric]
+    gate = g.model_copy(update={"scope": scope})
+    try:
+        measured = m.read(inp, scope)
+    except Exception as exc:  # noqa: BLE001 - any error here must leave a verdict behind
+        return GateOutcome(metric=g.metric, scope=scope, op=g.op, threshold=g.threshold, severity=g.severity,
+                           judged_on="-", measured=Measured(value=None), outcome="ERROR",
+                           note=f"could not be computed: {type(exc).__name__}: {exc}"[:300])
+    skipped = m.stage == "systems" and inp.systems is not None and inp.systems.status == "skipped"
+    why = ((inp.systems.error if inp.systems else None) or "not measured") if m.stage == "systems" else "not measured"
+    out = judge(gate, measured, why)
+    if out.outcome == "N/A" and g.severity == "fail":
+        out.note = (f"fail gate not measurable on this hardware: {why}" if skipped
+                    else f"fail gate not measured: {why}")
+        if not skipped:  # not the hardware's doing: what should have been measured was not
+            out.outcome = "FAIL"
+    return out
+
+
 def judge_gates(recipe, inp: metrics.Inputs) -> list[GateOutcome]:
     """Every gate of the recipe on one variant (each_suite expands to one gate per suite). A fail
-    gate that could not be measured cannot pass: it fails, with its reason."""
-    gates = []
-    for g in recipe.gates:
-        m = metrics.METRICS[g.metric]
-        for scope in (list(inp.quality.suites) if g.scope == "each_suite" else [g.scope]):
-            why = ((inp.systems.error if inp.systems else None) or "not measured") if m.stage == "systems" \
-                else "not measured"
-            gates.append(judge(g.model_copy(update={"scope": scope}), m.read(inp, scope), why))
-    for x in gates:
-        if x.outcome == "N/A" and x.severity == "fail":
-            x.outcome = "FAIL"
-            x.note = f"fail gate not measured: {x.note}"
-    return gates
+    gate that could not be measured fails, unless this hardware cannot measure it (UNVERIFIED)."""
+    return [_one_gate(g, scope, inp) for g in recipe.gates
+            for scope in (list(inp.quality.suites) if g.scope == "each_suite" else [g.scope])]
+
+
+def verdict_of(gates: list[GateOutcome]) -> str:
+    outcomes = {x.outcome for x in gates}
+    if outcomes & {"FAIL", "ERROR"}:
+        return "FAIL"
+    if any(x.outcome == "N/A" and x.severity == "fail" for x in gates):
+        return "UNVERIFIED"
+    return "WARN" if outcomes & {"WARN", "N/A"} or not gates else "PASS"
 
 
 def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: VariantOutcome) -> VariantSignoff:
@@ -149,33 +169,55 @@ def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: 
         return VariantSignoff(variant=name, verdict="FAILED-TO-RUN", reason=f"sign-off: {type(exc).__name__}: {exc}")
     gates = judge_gates(recipe, metrics.Inputs(quality=q, systems=s, base_systems=base.systems, paired=paired,
                                                drift=pd))
-    outcomes = {x.outcome for x in gates}
-    verdict = "FAIL" if "FAIL" in outcomes else "WARN" if outcomes & {"WARN", "N/A"} or not gates else "PASS"
+    verdict = verdict_of(gates)
+    if verdict == "UNVERIFIED":
+        fmt = (r.support or {}).get("format")
+        where = support.NATIVE_ON.get(fmt or "", "hardware where this engine runs the scheme natively")
     failing = [f"{x.metric}[{x.scope}] {x.outcome}" for x in gates if x.outcome != "PASS"]
     reason = "; ".join(failing + (["no gates declared"] if not gates else [])
-                       + ([f"systems not measured: {s.error}"] if s.status == "skipped" else []))
+                       + ([f"systems not measured: {s.error}"] if s.status == "skipped" else [])
+                       + ([f"measurable on {where}"] if verdict == "UNVERIFIED" else []))
     return VariantSignoff(variant=name, verdict=verdict, reason=reason, gates=gates, paired=paired, drift=pd)
 
 
 def signoff(recipe, recipe_hash: str, run_root: Path, results: dict) -> Signoff:
-    """results[variant]: its VariantOutcome (pipeline/outcome.py; a dict of the same fields is accepted)."""
+    """results[variant]: its VariantOutcome (pipeline/outcome.py; a dict of the same fields is accepted).
+    Never raises: an error signing one variant off is that variant's FAIL, with the reason."""
     results = {n: VariantOutcome.coerce(r) for n, r in results.items()}
-    base = results["baseline"]
-    verdicts = [variant_signoff(recipe, run_root, v.name, results.get(v.name, VariantOutcome()), base)
-                for v in recipe.variants]
+    base = results.get("baseline") or VariantOutcome(error="no baseline outcome")
+    verdicts = []
+    for v in recipe.variants:
+        try:
+            verdicts.append(variant_signoff(recipe, run_root, v.name, results.get(v.name, VariantOutcome()), base))
+        except Exception as exc:  # noqa: BLE001 - the verdict must be written whatever went wrong
+            verdicts.append(VariantSignoff(variant=v.name, verdict="FAIL",
+                                           reason=f"sign-off error: {type(exc).__name__}: {exc}"[:500]))
     passing = [x.variant for x in verdicts if x.verdict in ("PASS", "WARN")]
     # nothing evaluated (all skipped) is not a sign-off either
-    bad = any(x.verdict in ("FAIL", "FAILED-TO-RUN") for x in verdicts) or not passing
+    bad = any(x.verdict in ("FAIL", "FAILED-TO-RUN") for x in verdicts) or not (
+        passing or any(x.verdict == "UNVERIFIED" for x in verdicts))
+    unverified = not bad and any(x.verdict == "UNVERIFIED" for x in verdicts)
     warn = any(x.verdict in ("WARN", "SKIPPED") for x in verdicts)
     recommended = None
     rule, key = OBJECTIVES[recipe.objective]
-    ranked = [n for n in passing if key(results[n]) is not None]
+    ranked = [n for n in passing if _safe(key, results[n]) is not None]
     if ranked:
-        recommended = min(ranked, key=lambda n: key(results[n]))
-    return Signoff(recipe=recipe.name, recipe_hash=recipe_hash,
-                   verdict="FAIL" if bad else ("WARN" if warn else "PASS"), exit_code=1 if bad else 0,
+        recommended = min(ranked, key=lambda n: _safe(key, results[n]))
+    verdict = "FAIL" if bad else "UNVERIFIED" if unverified else "WARN" if warn else "PASS"
+    return Signoff(recipe=recipe.name, recipe_hash=recipe_hash, verdict=verdict, exit_code=EXIT_CODES[verdict],
                    variants=verdicts, recommended=recommended,
                    recommendation_rule=f"{rule}, among variants whose gates pass (PASS or WARN)")
+
+
+# the process's exit code per run verdict (2: bad input, from the CLI; 3: `compare`, not like for like)
+EXIT_CODES = {"PASS": 0, "WARN": 0, "FAIL": 1, "UNVERIFIED": 4}
+
+
+def _safe(key, r: VariantOutcome):
+    try:
+        return key(r)
+    except Exception:  # noqa: BLE001 - a result that cannot be ranked is not recommended
+        return None
 
 
 def _lat(r: VariantOutcome, kind: str) -> float | None:
