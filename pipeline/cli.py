@@ -122,7 +122,7 @@ def cmd_run(args, recipe) -> int:
     signal.signal(signal.SIGHUP, _terminate)
     try:
         return runner.run(recipe, Path(args.recipe), fresh=args.fresh)
-    except runner.PreflightError as exc:
+    except (runner.PreflightError, runner.RunLocked) as exc:
         return fail(str(exc))
     except KeyboardInterrupt:
         print("\ninterrupted: finished stages are kept; rerun the same command to resume", file=sys.stderr)

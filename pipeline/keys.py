@@ -25,8 +25,19 @@ QUALITY_KEY_VERSION = 1
 # 1: the admission probe is a concurrency ramp whose output is sized from the token budget
 SYSTEMS_KEY_VERSION = 1
 
+# the code that measures, fingerprinted into each key: a fix to a measurement recomputes exactly the
+# results it measured (the engine-side hook and the server wrapper serve both stages)
+PIPELINE = ROOT / "pipeline"
+ENGINE_SIDE = (PIPELINE / "engines" / "server.py", PIPELINE / "engines" / "hooks" / "sitecustomize.py",
+               PIPELINE / "engines" / "engine_guard.py")
+QUALITY_CODE = (PIPELINE / "stages" / "quality.py", PIPELINE / "suites.py", PIPELINE / "drift.py",
+                ROOT / "evalsuites" / "qe_utils.py", *ENGINE_SIDE)
+SYSTEMS_CODE = (PIPELINE / "stages" / "systems.py", PIPELINE / "stages" / "admission.py", PIPELINE / "prompts.py",
+                PIPELINE / "capacity.py", PIPELINE / "engines" / "loadgen.py", *ENGINE_SIDE)
+
 
 def source_hash(*paths: Path) -> str:
+    """One hash of these files' contents (a missing one counts as absent, not as an error)."""
     return hash_obj([sha256_file(p) for p in paths if p.exists()])
 
 
@@ -70,11 +81,13 @@ def quality_key(recipe, common: dict) -> str:
     for suite in ("needle", "drift"):
         if suite not in q.suites:
             del spec[suite]
-    return hash_obj({"version": QUALITY_KEY_VERSION, **common, "quality": spec, "suites": defs})
+    return hash_obj({"version": QUALITY_KEY_VERSION, **common, "quality": spec, "suites": defs,
+                     "code": source_hash(*QUALITY_CODE)})
 
 
 def systems_key(recipe, common: dict) -> str:
-    return hash_obj({"version": SYSTEMS_KEY_VERSION, **common, "workload": recipe.workload.model_dump()})
+    return hash_obj({"version": SYSTEMS_KEY_VERSION, **common, "workload": recipe.workload.model_dump(),
+                     "code": source_hash(*SYSTEMS_CODE)})
 
 
 def evaluate_keys(recipe, weights_hash: str, dtype: str, extra_args: list[str]) -> tuple[str, str]:

@@ -77,6 +77,24 @@ def check_runs_dir(recipe: Recipe, recipe_path: Path) -> None:
         raise PreflightError(f"{recipe_path}: runs_dir {runs} is not writable")
 
 
+def check_ray_address(recipe: Recipe) -> None:
+    """A cluster address that does not answer fails now, in one line: Ray itself retries for minutes."""
+    import socket
+
+    ex = recipe.executor
+    if ex.kind != "ray" or ex.address in (None, "auto"):
+        return
+    hostport = ex.address.removeprefix("ray://").rsplit("/", 1)[0]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise PreflightError(f"executor.address: {ex.address!r} is not host:port (or ray://host:port, auto)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as exc:
+        raise PreflightError(f"executor.address: the Ray cluster at {ex.address} does not answer "
+                             f"({exc.strerror or exc}); is `ray start --head` running there?") from None
+
+
 def for_validate(recipe: Recipe, recipe_path: Path) -> str | None:
     """The checks `run` makes before any work, as far as they need nothing fetched or converted:
     `validate` applies them. Returns what it could not check yet, or None."""

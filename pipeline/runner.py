@@ -24,13 +24,13 @@ from pathlib import Path
 from pipeline import assets, envs, keys, modelcfg, outcome, provenance, resultcache, schemes, support
 from pipeline.console import say
 from pipeline.outcome import Spent, VariantOutcome
-from pipeline.preflight import PreflightError, preflight
+from pipeline.preflight import PreflightError, check_ray_address, preflight
 from pipeline.recipe import Recipe
 from pipeline.results import QualityResult, SystemsResult
-from pipeline.runstore import RunDir, hash_obj, open_run, read_result, write_json
+from pipeline.runstore import RunDir, RunLocked, hash_obj, open_run, read_result, run_lock, write_json
 from pipeline.stages import quantize as quantize_stage
 
-__all__ = ["PreflightError", "run", "run_stage", "stage_main", "support_table"]
+__all__ = ["PreflightError", "RunLocked", "run", "run_stage", "stage_main", "support_table"]
 
 
 def prepare_environment() -> None:
@@ -259,9 +259,16 @@ def _start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, 
 
 
 def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
+    """The whole run, one at a time per recipe (a second exits 2 naming the first)."""
+    with run_lock(Path(recipe.runs_dir), recipe.name):
+        return _run(recipe, recipe_path, fresh)
+
+
+def _run(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
     from pipeline.stages.signoff import signoff
 
     prepare_environment()
+    check_ray_address(recipe)
     t_run, t_epoch = time.perf_counter(), time.time()
     ctx, manifest = _start(recipe, recipe_path, fresh)
     if recipe.executor.kind == "ray":

@@ -135,6 +135,36 @@ def read_result(path: Path, model: type[T], input_hash: str | None = None) -> T 
     return result
 
 
+class RunLocked(Exception):
+    """Another process is running this recipe; one line naming it."""
+
+
+@contextmanager
+def run_lock(runs_dir: Path, recipe_name: str) -> Iterator[None]:
+    """One run of a recipe at a time: two would resume into one folder and overwrite each other's
+    stages. The holder's pid, host and start time are in the lock file, for the one refused."""
+    import fcntl
+    import socket
+
+    runs_dir = runs_dir.resolve()
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    path = runs_dir / f".{recipe_name}.lock"
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise RunLocked(f"recipe {recipe_name!r} is already running ({holder}; lock {path}): wait for it "
+                            "or stop it; its run folder is resumed by the next run") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
+        f.flush()
+        yield
+
+
 class RunDir:
     def __init__(self, root: Path):
         self.root = root

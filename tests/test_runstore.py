@@ -75,3 +75,56 @@ def test_a_rerun_that_dies_leaves_no_earlier_verdict_behind(tmp_path, monkeypatc
     assert json.loads((old / "results.json").read_text())["signoff"] is None
     assert "INCOMPLETE" in (old / "report.html").read_text()
     assert (old / "results.csv").read_text().count("\n") == 1  # the header alone: no earlier rows
+
+
+def test_a_second_run_of_a_recipe_exits_2_naming_the_first(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from tests import minirun
+
+    d = minirun.recipe([]).model_dump(mode="json")
+    d["runs_dir"] = str(tmp_path / "runs")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(d))
+    root = Path(__file__).resolve().parent.parent
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from pipeline.runstore import run_lock\n"
+                               f"with run_lock(Path({str(tmp_path / 'runs')!r}), {d['name']!r}):\n"
+                               "    print('held', flush=True); time.sleep(60)"],
+                              cwd=root, stdout=subprocess.PIPE, text=True, env={"PYTHONPATH": str(root)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-m", "pipeline.cli", str(tmp_path / "r.yaml")], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(root),
+                                                                                "PATH": "/usr/bin:/bin"})
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"is already running (pid {holder.pid} on" in proc.stderr and time.time() - t0 < 60
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_an_unreachable_ray_cluster_fails_at_once_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from tests import minirun
+
+    d = minirun.recipe([]).model_dump(mode="json")
+    d["runs_dir"] = str(tmp_path / "runs")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(d))
+    root = Path(__file__).resolve().parent.parent
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", str(tmp_path / "r.yaml"), "--ray", "127.0.0.1:9"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "executor.address: the Ray cluster at 127.0.0.1:9 does not answer" in proc.stderr
+    assert time.time() - t0 < 60 and not list((tmp_path / "runs").glob("*-*"))  # no run folder

@@ -1,0 +1,42 @@
+"""Result-cache keys: what measures is part of the key, so a fix to a measurement recomputes
+exactly the results it measured, and nothing else."""
+
+from __future__ import annotations
+
+import shutil
+
+from pipeline import keys
+from tests.minirun import recipe
+
+
+def test_a_change_to_measuring_code_invalidates_exactly_its_results(tmp_path, monkeypatch):
+    r = recipe([])
+    monkeypatch.setattr(keys, "_common", lambda *a: {"weights": "w"})  # no engine or hardware is asked
+    copies = {}
+    for name, files in (("QUALITY_CODE", keys.QUALITY_CODE), ("SYSTEMS_CODE", keys.SYSTEMS_CODE)):
+        own = tmp_path / name
+        own.mkdir()
+        copied = []
+        for f in files:
+            dst = own / f"{len(copied)}-{f.name}"
+            shutil.copy(f, dst)
+            copied.append(dst)
+        copies[name] = copied
+        monkeypatch.setattr(keys, name, tuple(copied))
+    q0, s0 = keys.evaluate_keys(r, "w", "float32", [])
+    assert keys.evaluate_keys(r, "w", "float32", []) == (q0, s0)  # stable
+    with open(copies["QUALITY_CODE"][0], "a") as f:  # a fix to the quality stage
+        f.write("\n# scoring fixed\n")
+    q1, s1 = keys.evaluate_keys(r, "w", "float32", [])
+    assert q1 != q0 and s1 == s0
+    with open(copies["SYSTEMS_CODE"][-1], "a") as f:  # a change to engine-side code changes what both measure
+        f.write("\n# engine-side hook changed\n")
+    q2, s2 = keys.evaluate_keys(r, "w", "float32", [])
+    assert s2 != s1 and q2 == q1  # (the copies are separate: each stage's own fingerprint moved alone)
+
+
+def test_the_fingerprints_name_the_files_that_measure():
+    names = {p.name for p in keys.QUALITY_CODE}
+    assert {"quality.py", "qe_utils.py", "server.py", "sitecustomize.py"} <= names
+    assert {"systems.py", "admission.py", "loadgen.py", "server.py"} <= {p.name for p in keys.SYSTEMS_CODE}
+    assert all(p.exists() for p in (*keys.QUALITY_CODE, *keys.SYSTEMS_CODE))
