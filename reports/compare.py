@@ -2,11 +2,17 @@
 
     quantize-eval compare RUN_A RUN_B
 
-Pure over each run's results.json. First it says whether the runs are comparable at all
-(model weights, tokenizer, engine arguments, engine dtype, library versions, hardware);
-then, per variant present in both, it flags a quality regression when the two accuracy
-95% CIs do not overlap and B is lower, and a latency regression when B's p50 is more than
-`LATENCY_NOISE` above A's (two baseline runs here differed by 10-12%).
+Over each run's results.json and per-item samples. First it says whether the runs are comparable
+at all (model weights, tokenizer, engine arguments, engine dtype, library versions, hardware);
+then, per variant present in both:
+  quality   paired item by item when both runs scored the same items (exact McNemar on the flips,
+            95% paired CI of the delta: a regression when the whole CI is below zero); otherwise it
+            says it cannot pair and falls back to the two accuracy CIs not overlapping
+  verdict   PASS/WARN in A and FAIL, FAILED-TO-RUN or UNVERIFIED in B is a regression
+  capacity  checkpoint bytes, weights as loaded, KV tokens and admission are deterministic: any
+            worsening is a regression; peak memory is sampled, so only beyond 10%
+  latency   a regression only beyond max(5%, twice the repeat spread of either run); a run without
+            repeats has no measured spread, and then 15% (two single baseline runs differed 10-12%)
 """
 
 from __future__ import annotations
@@ -14,14 +20,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline import stats
 from pipeline.results import QualityResult
 from reports.view import validated
 
-LATENCY_NOISE = 0.15
+NOISE_FLOOR, NO_SPREAD_NOISE, PEAK_MEMORY_NOISE = 0.05, 0.15, 0.10
 PROVENANCE_KEYS = (("model", "weights_sha256"), ("model", "tokenizer_sha256"), ("model", "config_sha256"),
                    ("recipe", "engine"), ("recipe", "quality"), ("recipe", "workload"),
                    ("recipe", "calibration"), ("recipe", "variants"), ("engine_dtype",), ("versions",),
                    ("hardware",))
+BAD = ("FAIL", "FAILED-TO-RUN", "UNVERIFIED")
 
 
 class CompareError(Exception):
@@ -44,52 +52,114 @@ def _get(d: dict, keys: tuple[str, ...]):
     return d
 
 
-def _overall(quality: dict | None) -> tuple[float, int, int] | None:
-    """(accuracy, correct, n) pooled over every suite: QualityResult's own definition."""
-    q = validated(QualityResult, quality)
-    if q is None or q.overall_accuracy() is None:
-        return None
-    return (q.overall_accuracy(), *q.overall())
+def _items(run_dir: Path, name: str, q: QualityResult) -> dict[tuple[str, int], tuple[int, str | None]]:
+    """(suite, item) -> (correct, prompt hash), from the variant's samples files."""
+    out = {}
+    for suite, s in q.suites.items():
+        path = run_dir / name / s.samples_file
+        for line in path.read_text().splitlines() if path.exists() else []:
+            r = json.loads(line)
+            out[(suite, r["doc_id"])] = (int(r["correct"]), r.get("prompt_hash"))
+    return out
+
+
+def quality_lines(name: str, a_dir: Path, b_dir: Path, qa: QualityResult, qb: QualityResult) -> tuple[list[str], bool]:
+    ia, ib = _items(a_dir, name, qa), _items(b_dir, name, qb)
+    same = bool(ia) and ia.keys() == ib.keys() and all(ia[k][1] == ib[k][1] for k in ia)
+    (ka, na), (kb, nb) = qa.overall(), qb.overall()
+    head = f"{name}: accuracy {ka / na:.3f} -> {kb / nb:.3f} (n {na} / {nb})" if na and nb else f"{name}: accuracy –"
+    if not same:
+        lo_a, hi_a = stats.wilson(ka, na)
+        lo_b, hi_b = stats.wilson(kb, nb)
+        worse = hi_b < lo_a
+        return [head + ("  REGRESSION (95% CIs do not overlap)" if worse else "  within noise")
+                + "  [cannot pair: the runs did not score the same items; unpaired CIs are far less sensitive]"], worse
+    keys = sorted(ia)
+    a, b = [ia[k][0] for k in keys], [ib[k][0] for k in keys]
+    delta, lo, hi = stats.paired_delta_ci(a, b)
+    c2w = sum(1 for x, y in zip(a, b, strict=True) if x and not y)
+    w2c = sum(1 for x, y in zip(a, b, strict=True) if y and not x)
+    worse = hi < 0
+    return [head + f"; paired on {len(keys)} items: Δ {delta * 100:+.1f} pt [{lo * 100:+.1f}, {hi * 100:+.1f}], "
+            f"flips {c2w} c→w / {w2c} w→c, McNemar p {stats.mcnemar_exact(c2w, w2c):.3g}"
+            + ("  REGRESSION (the paired 95% CI is below zero)" if worse else "  within noise")], worse
+
+
+def _spread(lat: dict) -> float | None:
+    return lat.get("tpot_p50_spread")
+
+
+def latency_lines(name: str, la: dict, lb: dict) -> tuple[list[str], bool]:
+    spreads = [s for s in (_spread(la), _spread(lb)) if s is not None]
+    noise = max(NOISE_FLOOR, 2 * max(spreads)) if spreads else NO_SPREAD_NOISE
+    lines, regressed = [], False
+    for metric in ("ttft_ms", "tpot_ms"):
+        x, y = la[metric]["p50"], lb[metric]["p50"]
+        if x and y:
+            worse = y > x * (1 + noise)
+            regressed |= worse
+            lines.append(f"{name}: {metric[:-3]} p50 {x:.1f} -> {y:.1f} ms ({y / x - 1:+.0%})"
+                         + (f"  REGRESSION (> {noise:.0%})" if worse else f"  within noise (±{noise:.0%})"))
+    return lines, regressed
+
+
+def capacity_lines(name: str, sa: dict, sb: dict) -> tuple[list[str], bool]:
+    """(label, value in A, value in B, higher is worse, tolerance) for each memory and capacity figure."""
+    kv_a, kv_b = sa.get("kv") or {}, sb.get("kv") or {}
+    figures = (("checkpoint bytes", sa.get("checkpoint_bytes"), sb.get("checkpoint_bytes"), True, 0.0),
+               ("weights as loaded", sa.get("weight_memory_bytes"), sb.get("weight_memory_bytes"), True, 0.0),
+               ("KV tokens", kv_a.get("tokens"), kv_b.get("tokens"), False, 0.0),
+               ("admission", kv_a.get("admission_sequences"), kv_b.get("admission_sequences"), False, 0.0),
+               ("peak memory", sa.get("peak_memory_bytes"), sb.get("peak_memory_bytes"), True, PEAK_MEMORY_NOISE))
+    lines, regressed = [], False
+    for label, x, y, up_is_worse, tol in figures:
+        if x is None or y is None:
+            continue
+        change = (y - x) / x if x else 0.0
+        worse = change > tol if up_is_worse else change < -tol
+        regressed |= worse
+        if x != y:
+            lines.append(f"{name}: {label} {x:,} -> {y:,} ({change:+.1%})" + ("  REGRESSION" if worse else ""))
+    return lines, regressed
+
+
+def verdict_lines(a: dict, b: dict) -> tuple[list[str], bool]:
+    sa, sb = a.get("signoff") or {}, b.get("signoff") or {}
+    va = {v["variant"]: v["verdict"] for v in sa.get("variants", [])}
+    vb = {v["variant"]: v["verdict"] for v in sb.get("variants", [])}
+    lines, regressed = [], False
+    for name in va.keys() & vb.keys():
+        worse = va[name] in ("PASS", "WARN") and vb[name] in BAD
+        regressed |= worse
+        if va[name] != vb[name]:
+            lines.append(f"{name}: verdict {va[name]} -> {vb[name]}" + ("  REGRESSION" if worse else ""))
+    worse = sa.get("verdict") in ("PASS", "WARN") and sb.get("verdict") in BAD
+    lines.append(f"verdict: {sa.get('verdict')} -> {sb.get('verdict')}" + ("  REGRESSION" if worse else ""))
+    return lines, regressed or worse
 
 
 def compare(a_dir: Path, b_dir: Path) -> tuple[list[str], bool, bool]:
     """Lines to print, whether anything regressed beyond noise, and whether like for like."""
-    from pipeline.stats import wilson
-
     a, b = _results(a_dir), _results(b_dir)
     lines = [f"A: {a_dir}", f"B: {b_dir}"]
     diffs = [".".join(k) for k in PROVENANCE_KEYS if _get(a["manifest"], k) != _get(b["manifest"], k)]
-    if diffs:
-        lines.append("NOT LIKE FOR LIKE: the runs differ in " + ", ".join(diffs) + " — deltas below mix causes")
-    else:
-        lines.append("comparable: same weights, tokenizer, engine arguments, dtype, versions and hardware")
+    lines.append("NOT LIKE FOR LIKE: the runs differ in " + ", ".join(diffs) + " — deltas below mix causes" if diffs
+                 else "comparable: same weights, tokenizer, engine arguments, dtype, versions and hardware")
     regressed = False
     for name in a["variants"]:
         if name not in b["variants"]:
             lines.append(f"{name}: only in A")
             continue
         va, vb = a["variants"][name], b["variants"][name]
-        qa, qb = _overall(va.get("quality")), _overall(vb.get("quality"))
-        if qa and qb:
-            lo_a, hi_a = wilson(qa[1], qa[2])
-            lo_b, hi_b = wilson(qb[1], qb[2])
-            worse = hi_b < lo_a
-            regressed |= worse
-            lines.append(f"{name}: accuracy {qa[0]:.3f} -> {qb[0]:.3f} (n {qa[2]} / {qb[2]})"
-                         + ("  REGRESSION (95% CIs do not overlap)" if worse else "  within noise"))
+        qa, qb = validated(QualityResult, va.get("quality")), validated(QualityResult, vb.get("quality"))
         sa, sb = va.get("systems") or {}, vb.get("systems") or {}
-        la, lb = sa.get("latency"), sb.get("latency")
-        if la and lb:
-            for metric in ("ttft_ms", "tpot_ms"):
-                x, y = la[metric]["p50"], lb[metric]["p50"]
-                if x and y:
-                    worse = y > x * (1 + LATENCY_NOISE)
-                    regressed |= worse
-                    lines.append(f"{name}: {metric[:-3]} p50 {x:.1f} -> {y:.1f} ms ({y / x - 1:+.0%})"
-                                 + (f"  REGRESSION (> {LATENCY_NOISE:.0%})" if worse else "  within noise"))
-    for name in b["variants"]:
-        if name not in a["variants"]:
-            lines.append(f"{name}: only in B")
-    va_, vb_ = (a.get("signoff") or {}).get("verdict"), (b.get("signoff") or {}).get("verdict")
-    lines.append(f"verdict: {va_} -> {vb_}")
-    return lines, regressed, not diffs
+        parts = [quality_lines(name, a_dir, b_dir, qa, qb) if qa and qb else ([], False),
+                 capacity_lines(name, sa, sb),
+                 latency_lines(name, sa["latency"], sb["latency"]) if sa.get("latency") and sb.get("latency")
+                 else ([], False)]
+        for more, worse in parts:
+            lines += more
+            regressed |= worse
+    lines += [f"{name}: only in B" for name in b["variants"] if name not in a["variants"]]
+    more, worse = verdict_lines(a, b)
+    return lines + more, regressed or worse, not diffs

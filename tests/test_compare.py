@@ -37,8 +37,9 @@ def test_quality_and_latency_regressions_flagged(tmp_path, capsys):
     b = finished(tmp_path / "b", {"piqa": [1] * 20 + [0] * 80}, tpot_scale=1.4)
     assert cli.main(["compare", str(a), str(b)]) == 1
     out = capsys.readouterr().out
-    assert "v4: accuracy 0.600 -> 0.200" in out and "REGRESSION (95% CIs do not overlap)" in out
-    assert "tpot p50 40.0 -> 56.0 ms (+40%)  REGRESSION" in out
+    assert "v4: accuracy 0.600 -> 0.200" in out and "paired on 100 items: Δ -40.0 pt" in out
+    assert "flips 40 c→w / 0 w→c" in out and "REGRESSION (the paired 95% CI is below zero)" in out
+    assert "tpot p50 40.0 -> 56.0 ms (+40%)  REGRESSION (> 15%)" in out  # no repeats: no measured spread
 
 
 def test_different_hardware_is_said_loudly(tmp_path, capsys):
@@ -55,3 +56,45 @@ def test_different_hardware_is_said_loudly(tmp_path, capsys):
 def test_missing_run_is_exit_2(tmp_path, capsys):
     assert cli.main(["compare", str(tmp_path / "x"), str(tmp_path / "y")]) == 2
     assert "results.json: not found" in capsys.readouterr().err
+
+
+def test_a_small_paired_drop_is_seen_that_unpaired_cis_would_miss(tmp_path, capsys):
+    """Same items, 8 answers flipped to wrong and none back: the paired test calls it; the two Wilson
+    intervals (0.60 vs 0.52 on 100 items) overlap and would not."""
+    a = finished(tmp_path / "a", {"piqa": [1] * 60 + [0] * 40})
+    b = finished(tmp_path / "b", {"piqa": [0] * 8 + [1] * 52 + [0] * 40})
+    assert cli.main(["compare", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "flips 8 c→w / 0 w→c" in out and "REGRESSION (the paired 95% CI is below zero)" in out
+
+
+def test_different_items_cannot_be_paired_and_say_so(tmp_path, capsys):
+    a = finished(tmp_path / "a", {"piqa": [1] * 60 + [0] * 40})
+    b = finished(tmp_path / "b", {"piqa": [1] * 30 + [0] * 20})
+    cli.main(["compare", str(a), str(b)])
+    assert "cannot pair: the runs did not score the same items" in capsys.readouterr().out
+
+
+def test_verdict_capacity_and_noise_aware_latency(tmp_path, capsys):
+    a = finished(tmp_path / "a", {"piqa": [1] * 60 + [0] * 40})
+    b = finished(tmp_path / "b", {"piqa": [1] * 60 + [0] * 40}, tpot_scale=1.08)
+    for root, spread in ((a, 0.03), (b, 0.05)):  # repeats measured a 5% spread: 8% slower is noise
+        p = root / "v4" / "systems.json"
+        d = json.loads(p.read_text())
+        d["latency"]["tpot_p50_spread"] = spread
+        p.write_text(json.dumps(d))
+        render_run(root)
+    assert cli.main(["compare", str(a), str(b)]) == 0
+    assert "+8%)  within noise (±10%)" in capsys.readouterr().out
+    p = b / "v4" / "systems.json"  # the pool shrank: deterministic, so a regression at any size
+    d = json.loads(p.read_text())
+    d["kv"]["tokens"] -= 128
+    p.write_text(json.dumps(d))
+    so = json.loads((b / "signoff.json").read_text())
+    so["verdict"], so["variants"][0]["verdict"] = "FAIL", "FAIL"
+    write_json(b / "signoff.json", so)
+    render_run(b)
+    assert cli.main(["compare", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "v4: KV tokens 46,592 -> 46,464 (-0.3%)  REGRESSION" in out
+    assert "v4: verdict WARN -> FAIL  REGRESSION" in out and "verdict: WARN -> FAIL  REGRESSION" in out
