@@ -73,10 +73,13 @@ def fetch_wheel(w: Wheel, dest_dir: Path | None = None) -> Path:
     if dest.exists() and sha256_file(dest) == w.sha256:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
+    for stale in dest.parent.glob(f".{w.filename}.tmp*"):  # a killed fetch's partial file
+        if not Path(f"/proc/{stale.name.rsplit('.tmp', 1)[1]}").exists():
+            stale.unlink(missing_ok=True)
     tmp = dest.with_name(f".{w.filename}.tmp{os.getpid()}")
     try:
         pkgindex.download(w.name, w.filename, w.sha256, tmp)
-    except pkgindex.FetchError as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever broke the transfer, no partial file stays
         tmp.unlink(missing_ok=True)
         raise AssetError(f"could not download {w.name}=={w.version}: {exc}") from None
     os.replace(tmp, dest)

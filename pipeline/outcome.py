@@ -94,7 +94,7 @@ def record(run_root: Path, variant: str, stage: str, t_start: float, spent: Spen
 
 
 def accounting(run_root: Path, since: float) -> Spent:
-    """What the stage processes of this invocation (started at or after `since`) spent. A torn
+    """What the stage processes of this invocation (ended at or after `since`) spent. A torn
     line (a process killed mid-write) is skipped, not fatal."""
     total = Spent()
     try:
@@ -104,7 +104,7 @@ def accounting(run_root: Path, since: float) -> Spent:
     for line in lines:
         try:
             rec = json.loads(line)
-            if rec["t0"] >= since:
+            if rec["t"] >= since:  # ended in this invocation (end times leave room for other hosts' clocks)
                 total.add(Spent(int(rec["engine_starts"]), float(rec["engine_s"]), float(rec["quantizer_s"])))
         except (ValueError, KeyError, TypeError):
             continue

@@ -13,8 +13,10 @@ Standard library only.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import html.parser
+import http.client
 import json
 import os
 import re
@@ -23,6 +25,7 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -44,7 +47,7 @@ def normalize(name: str) -> str:
 def configured_sources() -> tuple[list[str], list[str]]:
     """(index URLs, find-links locations) as pip is configured here: environment first, then its
     config files; PyPI when nothing names an index."""
-    values: dict[str, list[str]] = {"index-url": [], "extra-index-url": [], "find-links": []}
+    values: dict[str, list[str]] = {"index-url": [], "extra-index-url": [], "find-links": [], "cert": []}
     try:
         out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
                              timeout=60).stdout
@@ -56,11 +59,17 @@ def configured_sources() -> tuple[list[str], list[str]]:
         key, _, val = line.partition("=")
         opt = key.rsplit(".", 1)[-1]
         if opt in values:
-            values[opt] += val.strip().strip("'\"").split()
+            try:  # pip prints values quoted, multi-line ones with literal \n inside
+                val = ast.literal_eval(val.strip())
+            except (ValueError, SyntaxError):
+                val = val.strip().strip("'\"")
+            values[opt] += str(val).split()
     for opt, env in (("index-url", "PIP_INDEX_URL"), ("extra-index-url", "PIP_EXTRA_INDEX_URL"),
                      ("find-links", "PIP_FIND_LINKS")):
         if not values[opt] and os.environ.get(env):
             values[opt] = os.environ[env].split()
+    if values["cert"] and not os.environ.get("PIP_CERT"):
+        os.environ["PIP_CERT"] = values["cert"][0]  # the CA bundle pip is configured to trust
     indexes = (values["index-url"][:1] or [DEFAULT_INDEX]) + values["extra-index-url"]
     if os.environ.get("PIP_NO_INDEX", "").lower() in ("1", "true", "yes", "on"):
         indexes = []  # pip's --no-index: find-links alone
@@ -73,14 +82,26 @@ def _context() -> ssl.SSLContext:
 
 
 def _open(url: str, accept: str | None = None):
+    """(file-like, final URL). user:password@ in an index URL is sent as basic auth, as pip does."""
     if url.startswith("file:"):
         path = Path(urllib.request.url2pathname(urllib.parse.urlparse(url).path))
         if path.is_dir():
             path = path / "index.html"
         return open(path, "rb"), path.as_uri()
-    req = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
-    resp = urllib.request.urlopen(req, timeout=TIMEOUT_S, context=_context())
+    parts = urllib.parse.urlsplit(url)
+    headers = {"Accept": accept} if accept else {}
+    if parts.username is not None:
+        import base64
+
+        cred = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        headers["Authorization"] = "Basic " + base64.b64encode(cred.encode()).decode()
+        url = urllib.parse.urlunsplit(parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")))
+    resp = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=TIMEOUT_S,
+                                  context=_context())
     return resp, resp.geturl()
+
+
+FETCH_ERRORS = (OSError, ValueError, http.client.HTTPException)  # network, TLS, bad URL, torn response
 
 
 class _Links(html.parser.HTMLParser):
@@ -99,14 +120,18 @@ class _Links(html.parser.HTMLParser):
             self._href = None
 
 
-def find_file(index: str, name: str, filename: str) -> tuple[str, str | None] | None:
+def find_file(index: str, name: str, filename: str) -> tuple[str, str | None] | str:
     """(absolute URL, sha256 the index states or None) of `filename` on the index's page for
-    `name`; None when the index does not list it."""
+    `name`; else why not (not listed, or what went wrong asking)."""
     page = index.rstrip("/") + "/" + normalize(name) + "/"
     try:
         f, base = _open(page, ACCEPT)
-    except OSError:
-        return None
+    except urllib.error.HTTPError as exc:
+        return "not listed" if exc.code == 404 else f"HTTP {exc.code} {exc.reason}"
+    except FileNotFoundError:
+        return "not listed"
+    except FETCH_ERRORS as exc:
+        return f"{type(exc).__name__}: {getattr(exc, 'reason', None) or exc}"
     with f:
         body = f.read()
         ctype = (f.headers.get("Content-Type", "") if hasattr(f, "headers") else "")
@@ -114,7 +139,7 @@ def find_file(index: str, name: str, filename: str) -> tuple[str, str | None] | 
         for entry in json.loads(body).get("files", []):
             if entry.get("filename") == filename:
                 return urllib.parse.urljoin(base, entry["url"]), (entry.get("hashes") or {}).get("sha256")
-        return None
+        return "not listed"
     parser = _Links()
     parser.feed(body.decode("utf-8", "replace"))
     for text, href in parser.links:
@@ -123,7 +148,13 @@ def find_file(index: str, name: str, filename: str) -> tuple[str, str | None] | 
             frag = urllib.parse.urlparse(url).fragment
             sha = frag.split("=", 1)[1] if frag.startswith("sha256=") else None
             return url.split("#", 1)[0], sha
-    return None
+    return "not listed"
+
+
+def _safe(url: str) -> str:
+    """A URL fit for a message: without any password it carries."""
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.hostname or "")) if parts.password else url
 
 
 def _sha256_copy(src, dest: Path) -> str:
@@ -148,27 +179,31 @@ def download(name: str, filename: str, sha256: str, dest: Path, tries: int = 3) 
     problems = []
     for index in indexes:
         found = find_file(index, name, filename)
-        if found is None:
-            problems.append(f"{index}: not listed")
+        if isinstance(found, str):
+            problems.append(f"{_safe(index)}: {found}")
             continue
         url, stated = found
         if stated and stated != sha256:
             problems.append(f"{index}: lists sha256 {stated}, pinned {sha256}")
             continue
-        for attempt in range(tries):
+        for attempt in range(tries):  # a torn transfer is retried; a whole file with the wrong hash is not
             try:
                 f, _ = _open(url)
                 with f:
+                    expected = getattr(f, "headers", {}).get("Content-Length")
                     got = _sha256_copy(f, dest)
-            except OSError as exc:
-                problems.append(f"{url}: {type(exc).__name__}: {exc}")
+            except FETCH_ERRORS as exc:
+                problems.append(f"{_safe(url)}: {type(exc).__name__}: {exc}")
                 time.sleep(2 * (attempt + 1))
                 continue
             if got == sha256:
                 return
-            problems.append(f"{url}: sha256 {got} does not match the pinned {sha256}")
-            break
+            problems.append(f"{_safe(url)}: sha256 {got} does not match the pinned {sha256}")
+            if expected is None or dest.stat().st_size == int(expected):
+                break
     dest.unlink(missing_ok=True)
+    if not indexes:
+        problems.append("no package index to ask (PIP_NO_INDEX) and not in any find-links folder")
     raise FetchError(f"{filename} not fetched: " + "; ".join(problems[-4:]))
 
 

@@ -33,12 +33,15 @@ def store(stage: str, result: BaseModel, vdir: Path, run_root: Path) -> None:
     slot = _slot(stage, result.input_hash)
     if slot.exists():
         return
-    with atomic_dir(slot, replace=False) as tmp:  # a run that stored it first wins: same content
-        write_json(tmp / f"{stage}.json", result)
-        if stage == "quality" and (vdir / "samples").is_dir():
-            shutil.copytree(vdir / "samples", tmp / "samples")
-        write_json(tmp / "origin.json", {"run": str(run_root), "variant": result.variant,
-                                         "stored_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    try:  # best effort: a result already measured must not fail its variant for the cache's sake
+        with atomic_dir(slot, replace=False) as tmp:  # a run that stored it first wins: same content
+            write_json(tmp / f"{stage}.json", result)
+            if stage == "quality" and (vdir / "samples").is_dir():
+                shutil.copytree(vdir / "samples", tmp / "samples")
+            write_json(tmp / "origin.json", {"run": str(run_root), "variant": result.variant,
+                                             "stored_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    except OSError as exc:
+        print(f"result cache: not stored ({type(exc).__name__}: {exc})", flush=True)
 
 
 def fetch(stage: str, input_hash: str, model: type[T], vdir: Path, variant: str) -> T | None:

@@ -260,7 +260,7 @@ def _start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, 
 
 def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
     """The whole run, one at a time per recipe (a second exits 2 naming the first)."""
-    with run_lock(Path(recipe.runs_dir), recipe.name):
+    with run_lock(Path(recipe.runs_dir), recipe.name, envs.home() / "locks"):
         return _run(recipe, recipe_path, fresh)
 
 

@@ -82,22 +82,34 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def _tmp_name(target: Path) -> Path:
+    """<name>.tmp<pid>@<host>: a cache shared by several hosts tells whose half-written folder it is."""
+    import socket
+
+    return target.with_name(f"{target.name}.tmp{os.getpid()}@{socket.gethostname()}")
+
+
 def drop_stale_tmp(target: Path) -> None:
-    """Half-written folders of killed runs (<name>.tmp<pid>, that pid gone) are never trusted."""
+    """Half-written folders of killed runs (<name>.tmp<pid>[@<host>], that pid gone on this host)
+    are never trusted; another host's are left alone (its pids are not in this /proc)."""
+    import socket
+
     for tmp in target.parent.glob(target.name + ".tmp*"):
-        pid = tmp.name.rsplit(".tmp", 1)[1]
+        pid, _, host = tmp.name.rsplit(".tmp", 1)[1].partition("@")
+        if host and host != socket.gethostname():
+            continue
         if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextmanager
 def atomic_dir(target: Path, replace: bool = True) -> Iterator[Path]:
-    """A folder that appears whole or not at all: yields an empty <target>.tmp<pid> to fill, then
-    renames it onto target. Nothing is published when the block raises or leaves the folder empty
-    (a producer that had nothing to write). replace=False keeps a target another writer published
-    first (a content-addressed cache: both wrote the same thing)."""
+    """A folder that appears whole or not at all: yields an empty temporary folder beside target to
+    fill, then renames it onto target. Nothing is published when the block raises or leaves the
+    folder empty (a producer that had nothing to write). replace=False keeps a target another writer
+    published first (content-addressed: both wrote the same thing); any other failure to publish raises."""
     drop_stale_tmp(target)
-    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    tmp = _tmp_name(target)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -112,8 +124,10 @@ def atomic_dir(target: Path, replace: bool = True) -> Iterator[Path]:
         shutil.rmtree(target, ignore_errors=True)
     try:
         os.replace(tmp, target)
-    except OSError:  # replace=False and the target exists: another writer published it first
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+        if replace or not target.exists():
+            raise
 
 
 def write_json(path: Path, obj) -> None:
@@ -140,15 +154,15 @@ class RunLocked(Exception):
 
 
 @contextmanager
-def run_lock(runs_dir: Path, recipe_name: str) -> Iterator[None]:
+def run_lock(runs_dir: Path, recipe_name: str, lock_dir: Path) -> Iterator[None]:
     """One run of a recipe at a time: two would resume into one folder and overwrite each other's
-    stages. The holder's pid, host and start time are in the lock file, for the one refused."""
+    stages. The lock lives in lock_dir (the cache), so a run refused before it starts leaves nothing
+    in the runs folder; the holder's pid, host and start time are in it, for the one refused."""
     import fcntl
     import socket
 
-    runs_dir = runs_dir.resolve()
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    path = runs_dir / f".{recipe_name}.lock"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    path = lock_dir / f"{recipe_name}-{hash_obj(str(runs_dir.resolve()))[:12]}.lock"
     with open(path, "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

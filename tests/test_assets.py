@@ -4,6 +4,7 @@ version from the configured index, as a plain file (no installer prepares it), s
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 
 import pytest
@@ -73,3 +74,26 @@ def test_pip_configuration_names_the_indexes(monkeypatch):
     assert indexes[0] == "https://mirror.invalid/simple"
     assert "file:///somewhere/simple" in indexes
     assert "https://pypi.org/simple" not in indexes  # an index-url replaces PyPI, as in pip
+
+
+def test_pip_config_values_are_read_as_pip_prints_them(monkeypatch):
+    """Multi-line values come back quoted with literal newlines; a configured CA bundle is used."""
+    out = ("global.extra-index-url='\\nhttps://a.invalid/simple\\nhttps://b.invalid/simple'\n"
+           "global.find-links='/opt/wheels'\nglobal.cert='/etc/ssl/certs/ca-certificates.crt'\n")
+    monkeypatch.delenv("PIP_INDEX_URL", raising=False)
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    monkeypatch.delenv("PIP_CERT", raising=False)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, out, ""))
+    indexes, links = pkgindex.configured_sources()
+    assert indexes == ["https://pypi.org/simple", "https://a.invalid/simple", "https://b.invalid/simple"]
+    assert links == ["/opt/wheels"] and os.environ["PIP_CERT"] == "/etc/ssl/certs/ca-certificates.crt"
+
+
+def test_an_index_that_cannot_be_asked_says_why_and_keeps_passwords_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(pkgindex, "configured_sources", lambda: (["http://user:s3cret@127.0.0.1:9/simple"], []))
+    w = assets.Wheel("some_pkg", "1.0", "some_pkg-1.0.tar.gz", "0" * 64)
+    with pytest.raises(assets.AssetError) as err:
+        assets.fetch_wheel(w, tmp_path)
+    msg = str(err.value)
+    assert "not listed" not in msg and "s3cret" not in msg and "127.0.0.1" in msg  # the real reason, no secret
+    assert not list(tmp_path.iterdir())  # no partial file left

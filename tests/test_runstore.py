@@ -35,12 +35,29 @@ def test_atomic_dir_publishes_whole_or_not_at_all(tmp_path):
     assert (target / "a").read_text() == "1"  # kept: another writer published it first
 
 
-def test_a_dead_writers_half_folder_is_swept(tmp_path):
+def test_a_dead_writers_half_folder_is_swept_but_not_another_hosts(tmp_path):
+    import socket
+
     dead = tmp_path / "ckpt.tmp999999999"
-    dead.mkdir()
+    dead_here = tmp_path / f"ckpt.tmp999999998@{socket.gethostname()}"
+    elsewhere = tmp_path / "ckpt.tmp1@another-node"  # a live writer on another node of a shared cache
+    for d in (dead, dead_here, elsewhere):
+        d.mkdir()
     with atomic_dir(tmp_path / "ckpt") as tmp:
         (tmp / "a").write_text("1")
-    assert not dead.exists()
+    assert not dead.exists() and not dead_here.exists() and elsewhere.exists()
+
+
+def test_a_folder_that_cannot_be_published_is_an_error_not_silence(tmp_path, monkeypatch):
+    import os
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(PermissionError), atomic_dir(tmp_path / "ckpt") as tmp:
+        (tmp / "a").write_text("1")
+    assert not list(tmp_path.iterdir())  # and nothing half-made is left
 
 
 def test_a_rerun_that_dies_leaves_no_earlier_verdict_behind(tmp_path, monkeypatch):
@@ -92,15 +109,17 @@ def test_a_second_run_of_a_recipe_exits_2_naming_the_first(tmp_path):
     root = Path(__file__).resolve().parent.parent
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
                                "from pipeline.runstore import run_lock\n"
-                               f"with run_lock(Path({str(tmp_path / 'runs')!r}), {d['name']!r}):\n"
+                               f"with run_lock(Path({str(tmp_path / 'runs')!r}), {d['name']!r}, "
+                               f"Path({str(tmp_path / 'home' / 'locks')!r})):\n"
                                "    print('held', flush=True); time.sleep(60)"],
                               cwd=root, stdout=subprocess.PIPE, text=True, env={"PYTHONPATH": str(root)})
     try:
         assert holder.stdout.readline().strip() == "held"
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-m", "pipeline.cli", str(tmp_path / "r.yaml")], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(root),
-                                                                                "PATH": "/usr/bin:/bin"})
+                              capture_output=True, text=True, timeout=120,
+                              env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin",
+                                   "QUANTIZE_EVAL_HOME": str(tmp_path / "home")})
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert f"is already running (pid {holder.pid} on" in proc.stderr and time.time() - t0 < 60
     finally:

@@ -34,23 +34,26 @@ def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
     extra_args = list(extra_args or []) + logprob_args(recipe)
     act_bytes = 4 if dtype == "float32" else 2
     kv_bytes = 1 if "fp8" in extra_args else act_bytes  # --kv-cache-dtype fp8
-    with Server(model_dir, recipe.engine, dtype, vdir / "engine.log",
-                recipe.model.trust_remote_code, extra_args) as server, server.blamed_for_errors():
-        log(f"engine ready in {server.start_s:.0f} s (port {server.port})")
-        if need_quality:
-            q = quality.run_quality(server, model_dir, recipe, variant, vdir, need_quality, tasks_dir)
-            write_json(vdir / "quality.json", q)
-            log("quality: " + quality.summary(q))
-        if need_systems:
-            probe = admission.admission_probe if recipe.workload.admission_probe else None
-            s = systems.run_systems(server, model_dir, recipe, variant, need_systems, kv_bytes, act_bytes, log,
-                                    probe=probe)
-        server.stop()
+    server = Server(model_dir, recipe.engine, dtype, vdir / "engine.log", recipe.model.trust_remote_code, extra_args)
+    if spent is not None:
+        spent.engine_starts += 1  # counted whether it then serves or fails
+    try:
+        with server, server.blamed_for_errors():
+            log(f"engine ready in {server.start_s:.0f} s (port {server.port})")
+            if need_quality:
+                q = quality.run_quality(server, model_dir, recipe, variant, vdir, need_quality, tasks_dir)
+                write_json(vdir / "quality.json", q)
+                log("quality: " + quality.summary(q))
+            if need_systems:
+                probe = admission.admission_probe if recipe.workload.admission_probe else None
+                s = systems.run_systems(server, model_dir, recipe, variant, need_systems, kv_bytes, act_bytes, log,
+                                        probe=probe)
+            server.stop()
+            if s is not None:
+                systems.record_memory(s, server.memory)
+                write_json(vdir / "systems.json", s)
+                log("systems: " + systems.summary(s))
+    finally:
         if spent is not None:
-            spent.engine_starts += 1
             spent.engine_s += server.busy_s
-        if s is not None:
-            systems.record_memory(s, server.memory)
-            write_json(vdir / "systems.json", s)
-            log("systems: " + systems.summary(s))
     return q, s

@@ -142,13 +142,14 @@ def checkpoint_of(v, base: Path, base_hash: str) -> Path:
     if not v.checkpoint.startswith(EXAMPLE):
         return Path(v.checkpoint).resolve()
     fmt = v.checkpoint[len(EXAMPLE):]
-    out = envs.home() / "imports" / f"{base_hash[:16]}-{fmt}"
+    writer = keys.source_hash(keys.PIPELINE / "legacy_formats.py")[:8]
+    out = envs.home() / "imports" / f"{base_hash[:16]}-{fmt}-{writer}"
     if not (out / "config.json").exists():
         from pipeline import legacy_formats
 
         say(v.name, f"import: writing an example {fmt}-format checkpoint of the base model (RTN 4-bit, "
                     f"first use) to {out}")
-        with atomic_dir(out) as tmp:
+        with atomic_dir(out, replace=False) as tmp:  # deterministic: a second writer's copy is the same
             legacy_formats.write(base, tmp, fmt)
     return out
 
