@@ -78,12 +78,22 @@ def _drift(value: str, ci: str) -> Callable[[Inputs, str], Measured]:
     return read
 
 
+def _repeat_values(s: SystemsResult, kind: str, pct: str) -> list[float]:
+    return [r[f"{kind}_{pct}"] for r in s.latency.repeats if r.get(f"{kind}_{pct}") is not None]
+
+
 def _latency_ratio(kind: str, pct: str) -> Callable[[Inputs, str], Measured]:
+    """Variant / baseline on all requests; with repeats on both sides, also the range the ratio
+    takes across them (lowest variant over highest baseline to the reverse): the noise it sits in."""
     def read(inp: Inputs, scope: str) -> Measured:
         both = _served(inp)
         if both is None:
             return NONE
         v, b = (getattr(getattr(x.latency, f"{kind}_ms"), pct) for x in both)
+        rv, rb = (_repeat_values(x, kind, pct) for x in both)
+        if len(rv) > 1 and len(rb) > 1 and min(rb) > 0:
+            return Measured(value=_ratio(v, b), ci_low=min(rv) / max(rb), ci_high=max(rv) / min(rb),
+                            interval="repeats")
         return Measured(value=_ratio(v, b))
     return read
 
@@ -91,7 +101,13 @@ def _latency_ratio(kind: str, pct: str) -> Callable[[Inputs, str], Measured]:
 def _latency_ms(kind: str, pct: str) -> Callable[[Inputs, str], Measured]:
     def read(inp: Inputs, scope: str) -> Measured:
         both = _served(inp)
-        return Measured(value=getattr(getattr(both[0].latency, f"{kind}_ms"), pct)) if both else NONE
+        if both is None:
+            return NONE
+        rv = _repeat_values(both[0], kind, pct)
+        value = getattr(getattr(both[0].latency, f"{kind}_ms"), pct)
+        if len(rv) > 1:
+            return Measured(value=value, ci_low=min(rv), ci_high=max(rv), interval="repeats")
+        return Measured(value=value)
     return read
 
 

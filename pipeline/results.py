@@ -185,6 +185,8 @@ class Latency(Model):
     cost_per_1k_requests_usd: float | None = None
     repeats_tpot_p50_ms: list[float] = Field(default_factory=list,
                                              description="p50 TPOT of each repeat of the cell.")
+    repeats: list[dict] = Field(default_factory=list, description="Each repeat's own ttft/tpot p50 and p99 (ms): "
+                                "latency gates take their interval from these.")
     tpot_p50_spread: float | None = Field(None, description="(max - min) / median of repeats_tpot_p50_ms.")
 
 
@@ -236,6 +238,9 @@ class Measured(Model):
     value: float | None
     ci_low: float | None = None
     ci_high: float | None = None
+    interval: Literal["ci95", "repeats"] = Field(
+        "ci95", description="ci95: a 95% confidence interval, judged on its conservative end; repeats: the range "
+        "over the cell's repeats; inside it a threshold cannot be told from noise (INCONCLUSIVE).")
 
 
 class GateOutcome(Model):
@@ -246,7 +251,7 @@ class GateOutcome(Model):
     severity: Literal["fail", "warn"]
     judged_on: str
     measured: Measured
-    outcome: Literal["PASS", "WARN", "FAIL", "N/A", "ERROR"]
+    outcome: Literal["PASS", "WARN", "FAIL", "N/A", "ERROR", "INCONCLUSIVE"]
     note: str = ""
 
 

@@ -17,7 +17,7 @@ th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:right;vertical-align:t
 th{background:#f6f8fa}td.l,th.l{text-align:left}.muted{color:#57606a}.small{font-size:12px}
 .banner{padding:14px 18px;border-radius:8px;font-size:20px;font-weight:700;margin:12px 0}
 .PASS{background:#dafbe1;color:#116329}.WARN{background:#fff8c5;color:#7d4e00}.FAIL,.FAILED-TO-RUN,.ERROR{background:#ffebe9;color:#a40e26}
-.UNVERIFIED,.INCOMPLETE{background:#ddf4ff;color:#0a3069}
+.UNVERIFIED,.INCOMPLETE,.INCONCLUSIVE{background:#ddf4ff;color:#0a3069}
 .SKIPPED,.N\\/A{background:#eaeef2;color:#57606a}span.tag{padding:1px 6px;border-radius:4px;font-weight:600;font-size:12px}
 code,pre{font:12px ui-monospace,Menlo,monospace}pre{background:#f6f8fa;padding:8px;overflow:auto;white-space:pre-wrap}
 .caveat{background:#fff8c5;padding:8px 12px;border-radius:6px;margin:6px 0}

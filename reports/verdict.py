@@ -51,6 +51,10 @@ def gates_section(run: Run) -> str:
     if not rows:
         return "<h2>Gates</h2><p>No gates declared in the recipe.</p>"
     return ("<h2>Gates</h2><p class='small muted'>Metrics with a confidence interval are judged on its "
-            "conservative end (lower bound for ≥, upper bound for ≤): non-inferiority, not a point ratio."
-            "</p>" + table(["variant", "metric", "scope", "threshold", "severity", "measured [95% CI]",
+            "conservative end (lower bound for ≥, upper bound for ≤): non-inferiority, not a point ratio. "
+            "Latency gates carry the range over the cell's repeats instead (judged on: range over repeats): "
+            "PASS when all of it passes, FAIL when none of it does, INCONCLUSIVE when the threshold lies "
+            "inside it (run-to-run noise: neither a pass nor a regression). N/A: not measured (on a fail "
+            "gate: UNVERIFIED when this hardware cannot measure it); ERROR: could not be computed."
+            "</p>" + table(["variant", "metric", "scope", "threshold", "severity", "measured [95% CI or range]",
                             "judged on", "outcome", "note"], rows, left=3, last_left=True))

@@ -246,3 +246,23 @@ def test_every_gate_validate_accepts_signs_off_without_error(tmp_path):
             assert outcomes and outcomes <= {"PASS", "WARN", "FAIL", "N/A"}, (metric, scope, so.variants[0].gates)
             judged += 1
     assert judged >= 20 and refused >= 20  # both kinds were exercised
+
+
+@pytest.mark.parametrize("repeats_v,repeats_b,threshold,expect", [
+    ([44.0, 45.0, 46.0], [40.0, 41.0, 42.0], 1.2, "PASS"),          # 46/40 = 1.15 worst: passes whatever the noise
+    ([60.0, 61.0, 62.0], [40.0, 41.0, 42.0], 1.2, "FAIL"),          # 60/42 = 1.43 best: fails whatever the noise
+    ([47.0, 50.0, 53.0], [40.0, 42.0, 44.0], 1.2, "INCONCLUSIVE"),  # 1.07 .. 1.33 straddles 1.2: noise
+])
+def test_latency_gates_are_judged_against_the_repeat_spread(tmp_path, repeats_v, repeats_b, threshold, expect):
+    r = recipe([{"metric": "tpot_p50_ratio", "op": "<=", "threshold": threshold, "severity": "fail"}])
+    root = make_run(tmp_path / "run", r, BASE, BASE)
+    results = load_results(root)
+    for name, reps in (("v4", repeats_v), ("baseline", repeats_b)):
+        lat = results[name]["systems"].latency
+        lat.repeats = [{"ttft_p50": 100.0, "ttft_p99": 150.0, "tpot_p50": x, "tpot_p99": x * 1.5} for x in reps]
+    so = signoff(r, "h", root, results)
+    g = so.variants[0].gates[0]
+    assert g.outcome == expect and g.judged_on == "range over repeats" and g.measured.interval == "repeats"
+    assert so.variants[0].verdict == {"PASS": "PASS", "FAIL": "FAIL", "INCONCLUSIVE": "UNVERIFIED"}[expect]
+    if expect == "INCONCLUSIVE":  # noise is never called a regression, nor signed as a pass
+        assert so.exit_code == 4 and "more workload.repeats would decide it" in so.variants[0].reason

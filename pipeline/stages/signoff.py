@@ -100,19 +100,28 @@ def _paired(name: str, b: list[int], v: list[int], samples: int, seed: int, near
 
 
 def judge(gate, measured: Measured, why_missing: str = "not measured") -> GateOutcome:
+    """A 95% CI is judged on its conservative end (lower bound for >=, upper for <=). A range over
+    repeats: PASS when all of it passes, FAIL when none of it does, INCONCLUSIVE in between (the
+    threshold lies inside the run-to-run noise); a point value as it is."""
+    common = dict(metric=gate.metric, scope=gate.scope, op=gate.op, threshold=gate.threshold,
+                  severity=gate.severity, measured=measured)
     if measured.value is None:
-        return GateOutcome(metric=gate.metric, scope=gate.scope, op=gate.op, threshold=gate.threshold,
-                           severity=gate.severity, judged_on="-", measured=measured, outcome="N/A",
-                           note=why_missing)
-    if measured.ci_low is not None:
-        judged_on, x = ("CI lower bound", measured.ci_low) if gate.op == ">=" else \
-            ("CI upper bound", measured.ci_high)
-    else:
-        judged_on, x = "point value", measured.value
-    ok = x >= gate.threshold if gate.op == ">=" else x <= gate.threshold
-    outcome = "PASS" if ok else ("FAIL" if gate.severity == "fail" else "WARN")
-    return GateOutcome(metric=gate.metric, scope=gate.scope, op=gate.op, threshold=gate.threshold,
-                       severity=gate.severity, judged_on=judged_on, measured=measured, outcome=outcome)
+        return GateOutcome(**common, judged_on="-", outcome="N/A", note=why_missing)
+
+    def passes(x: float) -> bool:
+        return x >= gate.threshold if gate.op == ">=" else x <= gate.threshold
+
+    bad = "FAIL" if gate.severity == "fail" else "WARN"
+    if measured.ci_low is None:
+        return GateOutcome(**common, judged_on="point value", outcome="PASS" if passes(measured.value) else bad)
+    worst, best = (measured.ci_low, measured.ci_high) if gate.op == ">=" else (measured.ci_high, measured.ci_low)
+    if measured.interval == "repeats":
+        outcome = "PASS" if passes(worst) else bad if not passes(best) else "INCONCLUSIVE"
+        note = "the threshold lies inside the spread of the repeats: more repeats would decide it" \
+            if outcome == "INCONCLUSIVE" else ""
+        return GateOutcome(**common, judged_on="range over repeats", outcome=outcome, note=note)
+    judged_on = "CI lower bound" if gate.op == ">=" else "CI upper bound"
+    return GateOutcome(**common, judged_on=judged_on, outcome="PASS" if passes(worst) else bad)
 
 
 def _one_gate(g, scope: str, inp: metrics.Inputs) -> GateOutcome:
@@ -144,12 +153,14 @@ def judge_gates(recipe, inp: metrics.Inputs) -> list[GateOutcome]:
 
 
 def verdict_of(gates: list[GateOutcome]) -> str:
+    """FAIL on any failed or uncomputable gate; UNVERIFIED when a fail gate could not be measured here
+    or sits inside its noise (INCONCLUSIVE: it neither passes nor fails); else WARN or PASS."""
     outcomes = {x.outcome for x in gates}
     if outcomes & {"FAIL", "ERROR"}:
         return "FAIL"
-    if any(x.outcome == "N/A" and x.severity == "fail" for x in gates):
+    if any(x.outcome in ("N/A", "INCONCLUSIVE") and x.severity == "fail" for x in gates):
         return "UNVERIFIED"
-    return "WARN" if outcomes & {"WARN", "N/A"} or not gates else "PASS"
+    return "WARN" if outcomes & {"WARN", "N/A", "INCONCLUSIVE"} or not gates else "PASS"
 
 
 def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: VariantOutcome) -> VariantSignoff:
@@ -170,13 +181,15 @@ def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: 
     gates = judge_gates(recipe, metrics.Inputs(quality=q, systems=s, base_systems=base.systems, paired=paired,
                                                drift=pd))
     verdict = verdict_of(gates)
-    if verdict == "UNVERIFIED":
-        fmt = (r.support or {}).get("format")
-        where = support.NATIVE_ON.get(fmt or "", "hardware where this engine runs the scheme natively")
+    unmeasurable = any(x.outcome == "N/A" and x.severity == "fail" for x in gates)
+    where = support.NATIVE_ON.get((r.support or {}).get("format") or "",
+                                  "hardware where this engine runs the scheme natively")
     failing = [f"{x.metric}[{x.scope}] {x.outcome}" for x in gates if x.outcome != "PASS"]
     reason = "; ".join(failing + (["no gates declared"] if not gates else [])
                        + ([f"systems not measured: {s.error}"] if s.status == "skipped" else [])
-                       + ([f"measurable on {where}"] if verdict == "UNVERIFIED" else []))
+                       + ([f"measurable on {where}"] if verdict == "UNVERIFIED" and unmeasurable else [])
+                       + (["inside the noise of the repeats: more workload.repeats would decide it"]
+                          if verdict == "UNVERIFIED" and not unmeasurable else []))
     return VariantSignoff(variant=name, verdict=verdict, reason=reason, gates=gates, paired=paired, drift=pd)
 
 

@@ -122,21 +122,23 @@ def loaded_weight_bytes(model_dir: Path, engine_elem_bytes: int) -> int:
 
 def measure_cell(server: Server, stream: PromptStream, w, prompt_tokens: int, output_tokens: int,
                  concurrency: int, prefix: str) -> dict:
-    """One cell, `w.repeats` times on fresh prompts; the summary of all its requests."""
-    records, wall, repeat_p50 = [], 0.0, []
+    """One cell, `w.repeats` times on fresh prompts (one engine start): the summary of all its
+    requests, and each repeat's own percentiles, whose spread gates judge noise against."""
+    records, wall, repeats = [], 0.0, []
     for _ in range(w.repeats):
         batch = stream.take(w.num_requests, prompt_tokens, shared_prefix=prefix == "shared")
         recs, secs = loadgen.run_closed_loop(server.port, SERVED_NAME, batch, output_tokens, concurrency,
                                              w.request_timeout_s)
         records += recs
         wall += secs
-        p50 = stats.percentiles([r.tpot * 1000 for r in recs if r.tpot is not None])["p50"]
-        if p50 is not None:
-            repeat_p50.append(p50)
+        one = loadgen.summarize(recs, secs)
+        repeats.append({f"{k}_{q}": one[f"{k}_ms"][q] for k in ("ttft", "tpot") for q in ("p50", "p99")})
     latency = loadgen.summarize(records, wall, w.slo_ttft_ms, w.slo_tpot_ms, w.cost_per_hour_usd)
-    latency["repeats_tpot_p50_ms"] = repeat_p50
-    if len(repeat_p50) > 1:
-        latency["tpot_p50_spread"] = (max(repeat_p50) - min(repeat_p50)) / stats.percentiles(repeat_p50)["p50"]
+    p50s = [r["tpot_p50"] for r in repeats if r["tpot_p50"] is not None]
+    latency["repeats"] = repeats
+    latency["repeats_tpot_p50_ms"] = p50s
+    if len(p50s) > 1:
+        latency["tpot_p50_spread"] = (max(p50s) - min(p50s)) / stats.percentiles(p50s)["p50"]
     return latency
 
 
