@@ -102,6 +102,8 @@ def cmd_validate(args, recipe) -> int:
         return fail(str(exc))
     print(f"{args.recipe}: ok ({len(recipe.variants)} variant(s) + baseline, {len(recipe.gates)} gate(s))"
           + (f"; {pending}" if pending else ""))
+    for line in preflight.power_statements(recipe):
+        print("  power: " + line)
     if args.support:
         from pipeline import runner
 

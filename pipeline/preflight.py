@@ -95,6 +95,42 @@ def check_ray_address(recipe: Recipe) -> None:
                              f"({exc.strerror or exc}); is `ray start --head` running there?") from None
 
 
+def items_in_scope(recipe: Recipe, scope: str) -> int | None:
+    """Items a quality gate is judged on, as far as the recipe fixes them (None: known after the run)."""
+    q = recipe.quality
+    if "/" in scope:
+        return None  # a slice's size is known once the items are read
+
+    def items(suite: str) -> int | None:
+        if suite == "drift":
+            return 0
+        limit = q.limit_of(suite)
+        if suite == "needle":
+            cells = len(q.needle.context_tokens) * len(q.needle.depths) * q.needle.per_cell
+            return min(cells, limit) if limit else cells
+        return limit
+
+    counts = [items(s) for s in (q.suites if scope in ("overall", "each_suite") else [scope])]
+    if None in counts:
+        return None
+    return sum(counts) if scope == "overall" else (min(counts) if scope == "each_suite" else counts[0])
+
+
+def power_statements(recipe: Recipe) -> list[str]:
+    """Per non-inferiority quality gate, what it can certify at these item counts (pipeline/power.py)."""
+    from pipeline import power
+
+    out = []
+    for i, g in enumerate(recipe.gates):
+        if g.metric != "accuracy_delta" or g.op != ">=" or g.threshold >= 0:
+            continue
+        n = items_in_scope(recipe, g.scope)
+        where = f"gates.{i} accuracy_delta[{g.scope}] >= {g.threshold:g}"
+        out.append(f"{where}: " + (power.noninferiority(n, -g.threshold).describe() if n else
+                                    "item count known after the run (a slice, or a suite without a limit)"))
+    return out
+
+
 def for_validate(recipe: Recipe, recipe_path: Path) -> str | None:
     """The checks `run` makes before any work, as far as they need nothing fetched or converted:
     `validate` applies them. Returns what it could not check yet, or None."""

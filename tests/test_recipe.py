@@ -208,6 +208,15 @@ def test_cli_validate_ok(capsys):
     assert "ok" in capsys.readouterr().out
 
 
+def test_validate_states_what_each_quality_gate_can_certify(capsys):
+    assert cli.main(["validate", str(AWQ)]) == 0
+    out = capsys.readouterr().out
+    # 200 PIQA + 200 SIQA items, a -5 pt overall margin: what passing takes, and that it is not enough items
+    assert "power: gates.0 accuracy_delta[overall] >= -0.05: 400 items: a -5.0 pt margin passes only if the " \
+           "observed delta >= -1.9 pt" in out
+    assert "cannot be certified at this size" in out and "assuming 10% of items flip" in out
+
+
 def tiny_config_dir(tmp_path: Path, **cfg) -> Path:
     m = tmp_path / "model"
     m.mkdir()

@@ -121,7 +121,9 @@ def judge(gate, measured: Measured, why_missing: str = "not measured") -> GateOu
             if outcome == "INCONCLUSIVE" else ""
         return GateOutcome(**common, judged_on="range over repeats", outcome=outcome, note=note)
     judged_on = "CI lower bound" if gate.op == ">=" else "CI upper bound"
-    return GateOutcome(**common, judged_on=judged_on, outcome="PASS" if passes(worst) else bad)
+    ok = passes(worst)
+    note = f"certified at 95%: {'at least' if gate.op == '>=' else 'at most'} {worst:.4g}" if ok else ""
+    return GateOutcome(**common, judged_on=judged_on, outcome="PASS" if ok else bad, note=note)
 
 
 def _one_gate(g, scope: str, inp: metrics.Inputs) -> GateOutcome:
