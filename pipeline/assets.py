@@ -104,7 +104,7 @@ def builtin_model(name: str) -> Path:
           flush=True)
     try:
         envs.run_module("quantize", "pipeline.engines.convert_gguf", [str(gguf), str(tmp_out)],
-                        work / "convert.log", 3600, "GGUF conversion")
+                        work / "convert.log", 3600, "[setup] GGUF conversion")
     except RuntimeError as exc:
         raise AssetError(str(exc)) from None
     write_json(tmp_out / "qe-model.json", {

@@ -33,6 +33,7 @@ def parser() -> argparse.ArgumentParser:
     p_run = sub.add_parser("run", help="run a recipe end to end")
     p_run.add_argument("recipe")
     p_run.add_argument("--fresh", action="store_true", help="start a new run folder, no resume")
+    p_run.add_argument("--quiet", action="store_true", help="no progress lines: the stage summaries and the verdict")
     p_run.add_argument("--ray", metavar="ADDRESS", help="run variants as Ray tasks: 'local' (a private Ray "
                        "instance here), 'auto' (the cluster this machine is in) or a cluster address; "
                        "overrides the recipe's executor section")
@@ -113,9 +114,13 @@ def cmd_validate(args, recipe) -> int:
 
 
 def cmd_run(args, recipe) -> int:
+    import os
     import signal
 
-    from pipeline import runner
+    from pipeline import progress, runner
+
+    if args.quiet:
+        os.environ[progress.QUIET_ENV] = "1"  # stage processes (Ray) inherit it
 
     def _terminate(signum, frame):  # SIGTERM/SIGHUP unwind like Ctrl-C, so engines get reaped
         raise KeyboardInterrupt

@@ -63,9 +63,16 @@ def score_window(port: int, model: str, ids: list[int], top_k: int, timeout: flo
     return {"ids": ids, "actual": actual, "top": top}
 
 
-def score_windows(port: int, model: str, windows: list[list[int]], top_k: int, concurrency: int = 2) -> list[dict]:
+def score_windows(port: int, model: str, windows: list[list[int]], top_k: int, concurrency: int = 2,
+                  on_done=None) -> list[dict]:
+    def one(w: list[int]) -> dict:
+        row = score_window(port, model, w, top_k)
+        if on_done is not None:
+            on_done()
+        return row
+
     with ThreadPoolExecutor(concurrency) as pool:
-        rows = list(pool.map(lambda w: score_window(port, model, w, top_k), windows))
+        rows = list(pool.map(one, windows))
     for i, r in enumerate(rows):
         r["window"] = i
     return rows

@@ -100,8 +100,10 @@ def ensure(kind: str) -> Path:
         if target.exists():
             shutil.rmtree(target)  # a half-built env from an interrupted setup
         py = str(target / "bin" / "python")
+        from pipeline.progress import Heartbeat
+
         try:
-            with open(logpath, "w") as log:
+            with open(logpath, "w") as log, Heartbeat(f"[setup] {kind} environment", stream=sys.stderr):
                 _run([sys.executable, "-m", "venv", str(target)], log)
                 _run([py, "-m", "pip", "install", "-q", PIP], log)
                 _run([py, "-m", "pip", "install", "-r", str(requirements_file(kind))], log)
@@ -138,11 +140,14 @@ def ensure_extra(name: str) -> None:
 
 
 def run_module(kind: str, module: str, args: list[str], log: Path, timeout: float, what: str,
-               hint: str = "") -> None:
-    """Run `python -m module args` in this repo under the `kind` environment, output to `log`.
-    Raises RuntimeError naming `what`, the exit code or timeout, the log's last line and path."""
+               hint: str = "", label: str = "") -> None:
+    """Run `python -m module args` in this repo under the `kind` environment, output to `log`, with a
+    heartbeat while it runs. Raises RuntimeError naming `what`, the exit code or timeout, the log's
+    last line and path."""
+    from pipeline.progress import Heartbeat
+
     root = str(ROOT)
-    with open(log, "w") as f:
+    with open(log, "w") as f, Heartbeat(what, label):
         try:
             proc = subprocess.run([str(ensure(kind)), "-m", module, *args], cwd=root, stdout=f,
                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -155,6 +160,7 @@ def run_module(kind: str, module: str, args: list[str], log: Path, timeout: floa
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # run as a script: the package's other stdlib modules (progress)
     if len(sys.argv) != 2 or sys.argv[1] not in KINDS:
         sys.exit(f"usage: python3 {sys.argv[0]} {{{'|'.join(KINDS)}}}")
     print(ensure(sys.argv[1]))

@@ -89,8 +89,9 @@ def one_request(port: int, model: str, prompt: list[int], max_tokens: int, timeo
 
 
 def run_closed_loop(port: int, model: str, prompts: list[list[int]], max_tokens: int,
-                    concurrency: int, timeout: float) -> tuple[list[RequestRecord], float]:
-    """Send every prompt with `concurrency` in flight; return records and wall seconds."""
+                    concurrency: int, timeout: float, on_done=None) -> tuple[list[RequestRecord], float]:
+    """Send every prompt with `concurrency` in flight; return records and wall seconds. on_done() is
+    called as each request finishes (progress)."""
     records: list[RequestRecord | None] = [None] * len(prompts)
     next_i = iter(range(len(prompts)))
     lock = threading.Lock()
@@ -102,6 +103,8 @@ def run_closed_loop(port: int, model: str, prompts: list[list[int]], max_tokens:
             if i is None:
                 return
             records[i] = one_request(port, model, prompts[i], max_tokens, timeout)
+            if on_done is not None:
+                on_done()
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]

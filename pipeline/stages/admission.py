@@ -12,6 +12,7 @@ from pipeline import stats
 from pipeline.capacity import admitted
 from pipeline.engines import loadgen
 from pipeline.engines.server import SERVED_NAME, Server
+from pipeline.progress import Progress
 from pipeline.prompts import PromptStream
 from pipeline.results import AdmissionProbe, KVCapacity, RampStep
 
@@ -128,7 +129,7 @@ def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_bloc
 
 
 def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity, timeout: float,
-                    poll_s: float = 0.05) -> AdmissionProbe | None:
+                    poll_s: float = 0.05, label: str = "") -> AdmissionProbe | None:
     """The admission knee, measured by a concurrency ramp (find_knee) of one request shape
     (probe_shape); every step is a fresh batch of distinct prompts sent at once (ramp_step). An
     error mid-ramp ends it; the steps measured so far are kept and the note says why."""
@@ -144,6 +145,7 @@ def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity
     binding = "kv" if kv_only < engine.max_num_seqs else "max_num_seqs"
     steps: dict[int, RampStep] = {}
     error = None
+    bar = Progress(f"admission ramp (predicted knee {predicted})", None, "steps", label)
 
     def step(c: int) -> bool | None:
         nonlocal error
@@ -153,9 +155,12 @@ def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity
         except (OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
             return None
+        finally:
+            bar.advance()
         return True if st.queued else (False if st.overlapped else None)
 
     knee, first_queued, unclear = find_knee(predicted, step)
+    bar.close()
     if not steps:
         raise ValueError(f"admission probe: {error}")
     ordered = [steps[c] for c in sorted(steps)]

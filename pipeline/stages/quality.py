@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pipeline import assets, drift, stats, suites
 from pipeline.engines.server import SERVED_NAME, Server
+from pipeline.progress import Progress
 from pipeline.results import DriftQuality, QualityResult, SliceStat, SuiteQuality
 from pipeline.runstore import atomic_write_text
 
@@ -49,7 +50,6 @@ def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Pat
                 input_hash: str, tasks_dir: Path) -> QualityResult:
     """Every lm-eval suite in as few lm-eval calls as there are distinct limits, then drift."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
     quiet_lm_eval_warnings()
@@ -63,19 +63,7 @@ def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Pat
     for r in lm_refs:  # builtin data is cut when rendered; a user's task is cut by lm-eval's limit
         suites.render(r, tasks_dir, tok, q, limit[r.name])
         by_limit.setdefault(limit[r.name] if r.kind == "user" else None, []).append(r)
-    samples, configs, timings = {}, {}, {}
-    if lm_refs:
-        tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
-        model_args = lm_eval_model_args(server, model_dir, recipe)
-        for lim, group in by_limit.items():
-            t1 = time.perf_counter()
-            out = lm_eval.simple_evaluate(
-                model="local-completions", model_args=model_args, tasks=[r.task for r in group],
-                task_manager=tm, limit=lim, log_samples=True, random_seed=0, numpy_random_seed=0,
-                torch_random_seed=0, fewshot_random_seed=0)
-            timings["lm_eval: " + ", ".join(r.name for r in group)] = round(time.perf_counter() - t1, 1)
-            samples.update(out["samples"])
-            configs.update(out["configs"])
+    samples, configs, timings = run_lm_eval(server, model_dir, recipe, by_limit, tasks_dir, variant)
     results = {}
     samples_dir = vdir / "samples"
     samples_dir.mkdir(parents=True, exist_ok=True)
@@ -90,7 +78,7 @@ def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Pat
     drift = None
     if any(r.kind == "drift" for r in refs):
         t1 = time.perf_counter()
-        drift = run_drift(server, tok, q.drift, vdir)
+        drift = run_drift(server, tok, q.drift, vdir, variant)
         timings["drift"] = round(time.perf_counter() - t1, 1)
     return QualityResult(variant=variant, input_hash=input_hash, status="ok",
                          duration_s=time.perf_counter() - t0, suites=results, drift=drift,
@@ -103,6 +91,64 @@ def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Pat
                                    "seconds": timings,
                                    "prompt_length_buckets": "prompt tokens by the model's tokenizer, "
                                                             "edges " + ", ".join(map(str, suites.BUCKETS))})
+
+
+def expected_prompts(tasks_dir: Path, group: list) -> int | None:
+    """Prompts the engine will score for these suites (a continuation per choice, one generation per
+    item); None when a user's task is among them (its items are lm-eval's to count)."""
+    total = 0
+    for r in group:
+        data = tasks_dir / f"qe_{r.name}.jsonl"
+        if r.kind == "user" or not data.exists():
+            return None
+        rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+        total += sum(len(x.get("choices") or [None]) if r.kind == "mc" else 1 for x in rows)
+    return total
+
+
+def run_lm_eval(server: Server, model_dir: Path, recipe, by_limit: dict, tasks_dir: Path, label: str):
+    """One lm-eval call per distinct limit; progress from the engine's own count of finished requests."""
+    import threading
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    samples, configs, timings = {}, {}, {}
+    if not by_limit:
+        return samples, configs, timings
+    tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+    model_args = lm_eval_model_args(server, model_dir, recipe)
+    for lim, group in by_limit.items():
+        t1, done = time.perf_counter(), threading.Event()
+        bar = Progress("quality: " + ", ".join(r.name for r in group), expected_prompts(tasks_dir, group),
+                       "prompts scored", label)
+        start = server.gauges(FINISHED)[FINISHED[0]]
+
+        def poll(bar=bar, start=start, done=done) -> None:
+            while not done.wait(2.0):
+                try:
+                    bar.update(int(server.gauges(FINISHED)[FINISHED[0]] - start))
+                except OSError:
+                    pass
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        try:
+            out = lm_eval.simple_evaluate(
+                model="local-completions", model_args=model_args, tasks=[r.task for r in group],
+                task_manager=tm, limit=lim, log_samples=True, random_seed=0, numpy_random_seed=0,
+                torch_random_seed=0, fewshot_random_seed=0)
+        finally:
+            done.set()
+            poller.join()
+            bar.close()
+        timings["lm_eval: " + ", ".join(r.name for r in group)] = round(time.perf_counter() - t1, 1)
+        samples.update(out["samples"])
+        configs.update(out["configs"])
+    return samples, configs, timings
+
+
+FINISHED = ("vllm:request_success_total",)
 
 
 def lm_eval_model_args(server: Server, model_dir: Path, recipe) -> dict:
@@ -193,9 +239,10 @@ def suite_quality(suite, rows: list[dict], metric: str, samples_file: str, sha: 
                         categories=cats, slices=slices, samples_file=samples_file, samples_sha256=sha)
 
 
-def run_drift(server: Server, tok, spec, vdir: Path) -> DriftQuality:
+def run_drift(server: Server, tok, spec, vdir: Path, label: str = "") -> DriftQuality:
     windows = drift.windows_from_ids(suites.essay_ids(tok), spec.windows, spec.window_tokens)
-    rows = drift.score_windows(server.port, SERVED_NAME, windows, spec.top_k)
+    with Progress("drift", len(windows), "windows", label) as bar:
+        rows = drift.score_windows(server.port, SERVED_NAME, windows, spec.top_k, on_done=bar.advance)
     path = vdir / "samples" / "drift.jsonl"
     text = "".join(json.dumps(r) + "\n" for r in rows)
     atomic_write_text(path, text)

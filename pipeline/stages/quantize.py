@@ -27,11 +27,11 @@ NOISE = ("No accelerator available",)
 
 
 def run_quantize_env(module: str, args: list[str], log: Path, timeout: float, what: str, spent,
-                     hint: str = "") -> None:
+                     hint: str = "", label: str = "") -> None:
     """A worker under the quantize environment; its wall time is charged to `spent.quantizer_s`."""
     t0 = time.perf_counter()
     try:
-        envs.run_module("quantize", module, args, log, timeout, what, hint=hint)
+        envs.run_module("quantize", module, args, log, timeout, what, hint=hint, label=label)
     finally:
         spent.quantizer_s += time.perf_counter() - t0
 
@@ -68,7 +68,7 @@ def _build(recipe, v, model_dir: Path, vdir: Path, ckpt: Path, also_dense: bool,
         run_quantize_env("pipeline.engines.quantize_worker",
                          [str(vdir / "quantize-spec.json"), str(vdir / "quantize-worker.json")],
                          vdir / "quantize.log", recipe.calibration.timeout_s, "quantization", spent,
-                         hint=" (calibration.timeout_s)")
+                         hint=" (calibration.timeout_s)", label=v.name)
         if not (vdir / "quantize-worker.json").exists():
             raise RuntimeError(f"quantization wrote no result; log: {vdir / 'quantize.log'}")
         facts = json.loads((vdir / "quantize-worker.json").read_text())
@@ -132,7 +132,7 @@ def dense_copy(qr: QuantizeResult, vdir: Path, spent) -> Path:
         return out
     with atomic_dir(out) as tmp:
         run_quantize_env("pipeline.engines.dequantize_worker", [qr.checkpoint_dir, str(tmp)],
-                         vdir / "dequantize.log", 3600, "dequantization", spent)
+                         vdir / "dequantize.log", 3600, "dequantization", spent, label=qr.variant)
     return out
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from pipeline import capacity, modelcfg, stats
 from pipeline.engines import loadgen
 from pipeline.engines.server import SERVED_NAME, Server
+from pipeline.progress import Progress
 from pipeline.prompts import PromptStream
 from pipeline.results import CellResult, KVCapacity, Latency, Roofline, SystemsResult
 from pipeline.runstore import weight_bytes
@@ -58,9 +59,9 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
     if warm:
         loadgen.run_closed_loop(server.port, SERVED_NAME, warm, w.output_tokens,
                                 min(w.concurrency, len(warm)), w.request_timeout_s)
-    latency = measure_cell(server, stream, w, w.prompt_tokens, w.output_tokens, w.concurrency, "unique")
+    latency = measure_cell(server, stream, w, w.prompt_tokens, w.output_tokens, w.concurrency, "unique", variant)
     cells = [CellResult(cell=c.model_dump(), latency=Latency(**measure_cell(
-        server, stream, w, c.prompt_tokens, c.output_tokens, c.concurrency, c.prefix))) for c in w.matrix]
+        server, stream, w, c.prompt_tokens, c.output_tokens, c.concurrency, c.prefix, variant))) for c in w.matrix]
     kv = kv_capacity(server.cache_config(), model_dir, recipe.engine, kv_bytes_per_elem, w)
     if kv.num_blocks and kv.block_size:  # admission for every shape of the matrix, too
         for c in cells:
@@ -69,7 +70,7 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
                                                       recipe.engine.max_num_seqs)
     if probe is not None:
         try:
-            kv.probe = probe(server, stream, recipe.engine, kv, w.request_timeout_s)
+            kv.probe = probe(server, stream, recipe.engine, kv, w.request_timeout_s, label=variant)
         except (OSError, ValueError) as exc:  # an optional probe must not cost the measured cells
             log(f"admission probe failed: {type(exc).__name__}: {exc}")
     error = None
@@ -121,18 +122,21 @@ def loaded_weight_bytes(model_dir: Path, engine_elem_bytes: int) -> int:
 
 
 def measure_cell(server: Server, stream: PromptStream, w, prompt_tokens: int, output_tokens: int,
-                 concurrency: int, prefix: str) -> dict:
+                 concurrency: int, prefix: str, label: str = "") -> dict:
     """One cell, `w.repeats` times on fresh prompts (one engine start): the summary of all its
     requests, and each repeat's own percentiles, whose spread gates judge noise against."""
     records, wall, repeats = [], 0.0, []
+    what = f"latency {prompt_tokens}/{output_tokens} c={concurrency}{' shared' if prefix == 'shared' else ''}"
+    bar = Progress(what, w.repeats * w.num_requests, "requests", label)
     for _ in range(w.repeats):
         batch = stream.take(w.num_requests, prompt_tokens, shared_prefix=prefix == "shared")
         recs, secs = loadgen.run_closed_loop(server.port, SERVED_NAME, batch, output_tokens, concurrency,
-                                             w.request_timeout_s)
+                                             w.request_timeout_s, on_done=bar.advance)
         records += recs
         wall += secs
         one = loadgen.summarize(recs, secs)
         repeats.append({f"{k}_{q}": one[f"{k}_ms"][q] for k in ("ttft", "tpot") for q in ("p50", "p99")})
+    bar.close()
     latency = loadgen.summarize(records, wall, w.slo_ttft_ms, w.slo_tpot_ms, w.cost_per_hour_usd)
     p50s = [r["tpot_p50"] for r in repeats if r["tpot_p50"] is not None]
     latency["repeats"] = repeats

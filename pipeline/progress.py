@@ -1,0 +1,112 @@
+"""Progress of a long step, as users of these tools expect to see it.
+
+On a terminal: one line redrawn in place, `done/total`, the rate and the ETA. Elsewhere (CI logs,
+a file): a plain line every `every` seconds, so a log shows the run is alive without a line per
+item. A step with no known total shows what is done and the time it has taken. `--quiet`
+(QUANTIZE_EVAL_QUIET=1) shows none of it: the stage summary lines and the verdict stay.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+QUIET_ENV = "QUANTIZE_EVAL_QUIET"
+
+
+def quiet() -> bool:
+    return os.environ.get(QUIET_ENV) == "1"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+class Progress:
+    """`with Progress("quality", 1000, "prompts", label="baseline") as p: ... p.advance()` (thread-safe)."""
+
+    def __init__(self, what: str, total: int | None = None, unit: str = "", label: str = "", every: float = 10.0,
+                 stream=None, clock: Callable[[], float] = time.monotonic):
+        self.what, self.total, self.unit, self.label, self.every = what, total, unit, label, every
+        self.stream = stream or sys.stdout
+        self.clock = clock
+        self.done = 0
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._t0 = self._last = clock()
+        self._lock = threading.Lock()
+        self.lines = 0  # plain lines written (non-terminal mode)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def text(self) -> str:
+        elapsed = self.clock() - self._t0
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        unit = f" {self.unit}" if self.unit else ""
+        if self.total:
+            eta = (self.total - self.done) / rate if rate > 0 else None
+            return (f"{self.what}: {self.done}/{self.total}{unit} ({self.done / self.total:.0%}), {rate:.1f}/s, "
+                    + (f"ETA {_seconds(eta)}" if eta is not None else "ETA –"))
+        return f"{self.what}: {self.done}{unit} in {_seconds(elapsed)}" if self.unit else \
+            f"{self.what}: {_seconds(elapsed)} so far"
+
+    def _emit(self, final: bool = False) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        head = f"[{stamp}] {self.label:>14} | " if self.label else f"[{stamp}] "
+        if self.tty:
+            width = 24
+            bar = ""
+            if self.total:
+                fill = int(width * min(1.0, self.done / self.total))
+                bar = "[" + "#" * fill + "-" * (width - fill) + "] "
+            self.stream.write("\r\033[K" + head + bar + self.text() + ("\n" if final else ""))
+        else:
+            self.stream.write(head + self.text() + "\n")
+            self.lines += 1
+        self.stream.flush()
+
+    def update(self, done: int) -> None:
+        with self._lock:
+            self.done = done
+            now = self.clock()
+            if quiet():
+                return
+            if self.tty or now - self._last >= self.every * 0.95:
+                self._last = now
+                self._emit()
+
+    def advance(self, n: int = 1) -> None:
+        self.update(self.done + n)
+
+    def close(self) -> None:
+        """On a terminal, finish the redrawn line; elsewhere nothing more (the stage summary follows)."""
+        if self.tty and not quiet():
+            self._emit(final=True)
+
+
+class Heartbeat:
+    """For a step that runs in a subprocess with no count to show: elapsed time, every `every` s."""
+
+    def __init__(self, what: str, label: str = "", every: float = 10.0, stream=None):
+        self.progress = Progress(what, None, "", label, every, stream)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0 if self.progress.tty else self.progress.every):
+            self.progress.update(0)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.progress.close()

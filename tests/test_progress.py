@@ -1,0 +1,72 @@
+"""Progress lines: a line every ~10 s in a log, a redrawn bar on a terminal, nothing with --quiet."""
+
+from __future__ import annotations
+
+import io
+import time
+
+from pipeline import progress
+from pipeline.progress import Heartbeat, Progress
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_log_gets_a_line_every_10_seconds_with_done_total_rate_and_eta(monkeypatch):
+    monkeypatch.delenv(progress.QUIET_ENV, raising=False)
+    out, clock = io.StringIO(), Clock()
+    bar = Progress("quality: piqa, siqa", 1000, "prompts scored", "baseline", stream=out, clock=clock)
+    for _ in range(100):  # 100 prompts in 5 s: too soon for a line
+        clock.t += 0.05
+        bar.advance()
+    assert out.getvalue() == ""
+    clock.t = 10.0
+    bar.advance(100)  # 200 done at 10 s
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(
+        "baseline | quality: piqa, siqa: 200/1000 prompts scored (20%), 20.0/s, ETA 40 s")
+    clock.t = 15.0
+    bar.advance()
+    assert len(out.getvalue().splitlines()) == 1  # at most one line per 10 s
+    bar.close()
+    assert len(out.getvalue().splitlines()) == 1  # the stage's own summary line follows, not another
+
+
+def test_a_terminal_gets_one_redrawn_bar(monkeypatch):
+    monkeypatch.delenv(progress.QUIET_ENV, raising=False)
+    out, clock = Tty(), Clock()
+    with Progress("latency 256/64 c=4", 48, "requests", "awq", stream=out, clock=clock) as bar:
+        for _ in range(48):
+            clock.t += 0.5
+            bar.advance()
+    text = out.getvalue()
+    assert text.count("\r") == 49 and text.endswith("\n") and "[########################] latency 256/64 c=4: 48/48" in text
+
+
+def test_quiet_shows_no_progress(monkeypatch):
+    monkeypatch.setenv(progress.QUIET_ENV, "1")
+    out, clock = io.StringIO(), Clock()
+    bar = Progress("drift", 8, "windows", stream=out, clock=clock)
+    clock.t = 60.0
+    bar.advance(8)
+    bar.close()
+    assert out.getvalue() == ""
+
+
+def test_a_step_without_a_count_still_says_it_is_alive(monkeypatch):
+    monkeypatch.delenv(progress.QUIET_ENV, raising=False)
+    out = io.StringIO()
+    with Heartbeat("quantization", "awq", every=0.3, stream=out):
+        time.sleep(1.0)
+    lines = out.getvalue().splitlines()
+    assert 2 <= len(lines) <= 4 and all("awq | quantization: " in ln and "s so far" in ln for ln in lines)
