@@ -230,6 +230,12 @@ def run_local(ctx: RunContext) -> dict[str, float]:
     return timings
 
 
+def identity_of(recipe: Recipe) -> str:
+    """What the experiment is: the same name and identity resume one run folder. Variants, gates and
+    the objective are left out, so adding a variant or changing a gate costs only what changed."""
+    return hash_obj(recipe.model_dump(mode="json", include={"model", "engine", "calibration", "quality", "workload"}))
+
+
 def _start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, dict]:
     """Model, preflight, run folder and manifest: everything before the first stage."""
     recipe_hash = hash_obj(recipe.model_dump(mode="json"))
@@ -238,13 +244,14 @@ def _start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, 
     except assets.AssetError as exc:
         raise PreflightError(f"{recipe_path}: model.builtin: {exc}") from None
     preflight(recipe, recipe_path, model_dir)
-    run_dir, resumed = open_run(Path(recipe.runs_dir), recipe.name, recipe_hash, fresh)
+    identity = identity_of(recipe)
+    run_dir, resumed = open_run(Path(recipe.runs_dir), recipe.name, identity, fresh)
     say("run", f"{'resuming' if resumed else 'new run'}: {run_dir.root}")
     (run_dir.root / "signoff.json").unlink(missing_ok=True)  # never show a stale verdict
     hashes = provenance.model_hashes(model_dir)
     dtype = provenance.resolve_dtype(recipe.engine.dtype)
     manifest = {
-        "schema_version": 1, "recipe_name": recipe.name, "recipe_hash": recipe_hash,
+        "schema_version": 1, "recipe_name": recipe.name, "recipe_hash": recipe_hash, "identity": identity,
         "recipe_file": str(recipe_path), "recipe": recipe.model_dump(mode="json"),
         "model_dir": str(model_dir), "model": hashes, "engine_dtype": dtype,
         "model_note": assets.MODEL_NOTES.get(recipe.model.builtin or "", ""),

@@ -191,8 +191,11 @@ class RunDir:
         return self.root / "manifest.json"
 
 
-def open_run(runs_dir: Path, recipe_name: str, recipe_hash: str, fresh: bool = False) -> tuple[RunDir, bool]:
-    """The newest run of this recipe name (resumed), else a new folder. Absolute: the workers that
+def open_run(runs_dir: Path, recipe_name: str, identity: str, fresh: bool = False) -> tuple[RunDir, bool]:
+    """The newest run of this recipe (resumed), else a new folder. A run is this recipe's when its
+    manifest has the same name and the same identity (the hash of what the experiment is: model,
+    engine, calibration, quality, workload), so a different recipe that happens to share the name
+    never resumes into it, while adding a variant or changing a gate does. Absolute: the workers that
     write into it run from the repository's root, not from where the user started the run."""
     runs_dir = runs_dir.resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -202,8 +205,8 @@ def open_run(runs_dir: Path, recipe_name: str, recipe_hash: str, fresh: bool = F
                 manifest = json.loads((cand / "manifest.json").read_text())
             except (OSError, ValueError):
                 continue
-            # same recipe name: resumed, and the stages' input hashes decide what reruns
-            if manifest.get("recipe_name") == recipe_name:
+            # the same experiment: resumed, and the stages' input hashes decide what reruns
+            if manifest.get("recipe_name") == recipe_name and manifest.get("identity") == identity:
                 return RunDir(cand), True
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     root = runs_dir / f"{recipe_name}-{stamp}"

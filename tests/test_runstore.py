@@ -80,6 +80,8 @@ def test_a_rerun_that_dies_leaves_no_earlier_verdict_behind(tmp_path, monkeypatc
     d["engine"]["max_model_len"] = 512
     r = Recipe.model_validate(d)
     old = minirun.make_run(tmp_path / "runs" / f"{r.name}-20260101T000000Z", r, {"piqa": [1, 0]}, {"piqa": [1, 0]})
+    m = json.loads((old / "manifest.json").read_text())
+    write_json(old / "manifest.json", {**m, "identity": runner.identity_of(r)})  # this recipe's own run
     write_json(old / "signoff.json", signoff(r, "h", old, minirun.load_results(old)))
     render_run(old)
     assert json.loads((old / "results.json").read_text())["signoff"]["verdict"] == "WARN"
@@ -147,3 +149,24 @@ def test_an_unreachable_ray_cluster_fails_at_once_in_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "executor.address: the Ray cluster at 127.0.0.1:9 does not answer" in proc.stderr
     assert time.time() - t0 < 60 and not list((tmp_path / "runs").glob("*-*"))  # no run folder
+
+
+def test_a_recipe_resumes_only_its_own_experiment(tmp_path):
+    """Same name, another experiment (here: another suite list) never resumes into the folder; the
+    same experiment with a variant added does."""
+    import json
+
+    from pipeline import runner
+    from pipeline.runstore import write_json
+    from tests import minirun
+
+    r = minirun.recipe([])
+    first, _ = open_run(tmp_path / "runs", r.name, runner.identity_of(r))
+    write_json(first.manifest, {"recipe_name": r.name, "identity": runner.identity_of(r)})
+    more = r.model_copy(update={"variants": (*r.variants, r.variants[0].model_copy(update={"name": "v8"}))})
+    again, resumed = open_run(tmp_path / "runs", r.name, runner.identity_of(more))
+    assert resumed and again.root == first.root
+    other = r.model_copy(update={"quality": r.quality.model_copy(update={"suites": ("piqa",)})})
+    new, resumed = open_run(tmp_path / "runs", r.name, runner.identity_of(other))
+    assert not resumed and new.root != first.root
+    assert json.loads(first.manifest.read_text())["identity"] == runner.identity_of(r)  # untouched
