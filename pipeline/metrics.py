@@ -43,6 +43,14 @@ def _served(inp: Inputs) -> tuple[SystemsResult, SystemsResult] | None:
     return v, b
 
 
+def _hosts(inp: Inputs) -> str:
+    """A caveat when the variant and the baseline were measured on different machines."""
+    v, b = inp.systems, inp.base_systems
+    if v and b and v.host and b.host and v.host != b.host:
+        return f"not like for like: variant measured on {v.host}, baseline on {b.host}"
+    return ""
+
+
 def accuracy(inp: Inputs, scope: str) -> Measured:
     q = inp.quality
     if "/" in scope:  # one slice of a suite
@@ -93,8 +101,8 @@ def _latency_ratio(kind: str, pct: str) -> Callable[[Inputs, str], Measured]:
         rv, rb = (_repeat_values(x, kind, pct) for x in both)
         if len(rv) > 1 and len(rb) > 1 and min(rb) > 0:
             return Measured(value=_ratio(v, b), ci_low=min(rv) / max(rb), ci_high=max(rv) / min(rb),
-                            interval="repeats")
-        return Measured(value=_ratio(v, b))
+                            interval="repeats", caveat=_hosts(inp))
+        return Measured(value=_ratio(v, b), caveat=_hosts(inp))
     return read
 
 
@@ -127,7 +135,8 @@ def checkpoint_bytes_ratio(inp: Inputs, scope: str) -> Measured:
 
 def peak_memory_ratio(inp: Inputs, scope: str) -> Measured:
     both = _served(inp)
-    return Measured(value=_ratio(both[0].peak_memory_bytes, both[1].peak_memory_bytes)) if both else NONE
+    return Measured(value=_ratio(both[0].peak_memory_bytes, both[1].peak_memory_bytes),
+                    caveat=_hosts(inp)) if both else NONE
 
 
 def kv_tokens_ratio(inp: Inputs, scope: str) -> Measured:

@@ -210,6 +210,8 @@ class Roofline(Model):
 
 class SystemsResult(StageResult):
     stage: Literal["systems"] = "systems"
+    host: str | None = Field(None, description="The machine it was measured on: ratios between results of "
+                             "different hosts are not like for like.")
     checkpoint_bytes: int | None = None
     peak_memory_bytes: int | None = Field(None, description="Peak RSS summed over the engine tree.")
     weight_memory_bytes: int | None = Field(
@@ -236,6 +238,7 @@ class SystemsResult(StageResult):
 
 class Measured(Model):
     value: float | None
+    caveat: str = Field("", description="Why the value may not mean what it says (e.g. measured on two hosts).")
     ci_low: float | None = None
     ci_high: float | None = None
     interval: Literal["ci95", "repeats"] = Field(

@@ -33,3 +33,28 @@ def test_a_client_error_of_a_healthy_engine_stays_the_clients(tmp_path):
     finally:
         server.proc.kill()
         server.proc.wait()
+
+
+def test_engines_that_measure_take_turns_on_a_host():
+    """Two measuring engines on one node (Ray tasks) never overlap: the second waits for the first."""
+    import threading
+    import time
+
+    from pipeline.stages.evaluate import one_measuring_engine_per_host
+
+    said, order = [], []
+
+    def second() -> None:
+        with one_measuring_engine_per_host(True, said.append):
+            order.append("second")
+
+    with one_measuring_engine_per_host(True, said.append):
+        t = threading.Thread(target=second)
+        t.start()
+        time.sleep(0.5)
+        order.append("first done")
+        assert said == ["waiting: another engine is measuring on this host"]
+    t.join(timeout=10)
+    assert order == ["first done", "second"]
+    with one_measuring_engine_per_host(False, said.append):  # quality only: no turn to take
+        pass

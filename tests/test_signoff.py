@@ -266,3 +266,14 @@ def test_latency_gates_are_judged_against_the_repeat_spread(tmp_path, repeats_v,
     assert so.variants[0].verdict == {"PASS": "PASS", "FAIL": "FAIL", "INCONCLUSIVE": "UNVERIFIED"}[expect]
     if expect == "INCONCLUSIVE":  # noise is never called a regression, nor signed as a pass
         assert so.exit_code == 4 and "more workload.repeats would decide it" in so.variants[0].reason
+
+
+def test_a_ratio_between_two_hosts_says_it_is_not_like_for_like(tmp_path):
+    r = recipe([{"metric": "tpot_p50_ratio", "op": "<=", "threshold": 2.0}])
+    root = make_run(tmp_path / "run", r, BASE, BASE)
+    results = load_results(root)
+    results["v4"]["systems"].host, results["baseline"]["systems"].host = "node-b", "node-a"
+    g = signoff(r, "h", root, results).variants[0].gates[0]
+    assert "not like for like: variant measured on node-b, baseline on node-a" in g.note
+    results["v4"]["systems"].host = "node-a"
+    assert "not like for like" not in signoff(r, "h", root, results).variants[0].gates[0].note

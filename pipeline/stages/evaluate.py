@@ -10,6 +10,8 @@ only starts the engine and calls them.
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 from pathlib import Path
 
 from pipeline.engines.server import Server
@@ -30,8 +32,34 @@ def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
              spent=None) -> tuple[QualityResult | None, SystemsResult | None]:
     """Start one engine; run whichever of quality/systems are missing (their input hashes).
     `spent` (an outcome.Spent) is charged the engine start and the engine's busy seconds."""
-    q = s = None
     extra_args = list(extra_args or []) + logprob_args(recipe)
+    with one_measuring_engine_per_host(bool(need_systems), log):
+        return _evaluate(model_dir, recipe, variant, vdir, dtype, need_quality, need_systems, tasks_dir, log,
+                         extra_args, spent)
+
+
+@contextlib.contextmanager
+def one_measuring_engine_per_host(measuring: bool, log):
+    """Latency and memory measured while another engine runs on the same host measure the contention:
+    an engine that will measure systems waits for the host (a lock in its local temp folder, so the Ray
+    executor's tasks on one node take turns; nodes do not wait for each other)."""
+    if not measuring:
+        yield
+        return
+    import fcntl
+
+    with open(Path(tempfile.gettempdir()) / "quantize-eval-measuring-engine.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log("waiting: another engine is measuring on this host")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str, need_quality: str | None,
+              need_systems: str | None, tasks_dir: Path, log, extra_args: list[str], spent):
+    q = s = None
     act_bytes = 4 if dtype == "float32" else 2
     kv_bytes = 1 if "fp8" in extra_args else act_bytes  # --kv-cache-dtype fp8
     server = Server(model_dir, recipe.engine, dtype, vdir / "engine.log", recipe.model.trust_remote_code, extra_args)

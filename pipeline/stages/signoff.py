@@ -136,10 +136,19 @@ def _one_gate(g, scope: str, inp: metrics.Inputs) -> GateOutcome:
         return GateOutcome(metric=g.metric, scope=scope, op=g.op, threshold=g.threshold, severity=g.severity,
                            judged_on="-", measured=Measured(value=None), outcome="ERROR",
                            note=f"could not be computed: {type(exc).__name__}: {exc}"[:300])
+    out = _judged(gate, measured, inp)
+    if measured.caveat:
+        out.note = "; ".join(x for x in (out.note, measured.caveat) if x)
+    return out
+
+
+def _judged(gate, measured: Measured, inp: metrics.Inputs) -> GateOutcome:
+    """judge(), and what an unmeasured fail gate means: UNVERIFIED here, or FAIL."""
+    m = metrics.METRICS[gate.metric]
     skipped = m.stage == "systems" and inp.systems is not None and inp.systems.status == "skipped"
     why = ((inp.systems.error if inp.systems else None) or "not measured") if m.stage == "systems" else "not measured"
     out = judge(gate, measured, why)
-    if out.outcome == "N/A" and g.severity == "fail":
+    if out.outcome == "N/A" and gate.severity == "fail":
         out.note = (f"fail gate not measurable on this hardware: {why}" if skipped
                     else f"fail gate not measured: {why}")
         if not skipped:  # not the hardware's doing: what should have been measured was not

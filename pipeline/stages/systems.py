@@ -10,6 +10,7 @@ admission ramp, when the recipe asks for it, is handed in by the caller (stages/
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -85,6 +86,7 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
         weights, source = loaded_weight_bytes(model_dir, act_bytes), FROM_CHECKPOINT
     return SystemsResult(
         variant=variant, input_hash=input_hash, status="failed" if error else "ok", error=error,
+        host=socket.gethostname(),
         duration_s=time.perf_counter() - t0,
         checkpoint_bytes=weight_bytes(model_dir), engine_start_s=server.start_s, kv=kv,
         weight_memory=loaded or {},
