@@ -1,59 +1,92 @@
-"""Wall time of each stage and of the whole default run, and its peak memory.
+"""Wall time of the default run and of each of its stages, as the median and spread of several runs.
 
-    python3 benchmarks/default_run.py [RECIPE]      (default: recipes/awq.yaml)
+    python3 benchmarks/default_run.py [RECIPE] [--cold] [--runs N]      (default: recipes/awq.yaml, 3 runs)
 
-Runs `./quantize-eval RECIPE --fresh` as a user would (caches warm or cold, as they are),
-then prints the figures from the run's own result files plus the peak RSS of the whole
-process tree. Target (issue 2): the default run within 15 minutes on this machine.
+Runs `./quantize-eval RECIPE --fresh` N times as a user would. --cold gives every run a temporary
+cache home whose environments, converted models, data and support answers are this machine's (linked,
+warm) while its result and checkpoint caches are empty: each run quantizes and measures everything.
+Prints each run's figures and, per figure, the median and the spread (max - min) over the runs.
 """
 
 from __future__ import annotations
 
 import json
-import resource
+import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+WARM = ("envs", "models", "data", "wheels", "support", "imports")  # kept; checkpoints and results start empty
+
+
+def home() -> Path:
+    return Path(os.environ.get("QUANTIZE_EVAL_HOME", Path.home() / ".cache" / "quantize-eval"))
+
+
+def cold_home(tmp: Path) -> Path:
+    h = tmp / "home"
+    h.mkdir()
+    for name in WARM:
+        if (home() / name).exists():
+            (h / name).symlink_to(home() / name)
+    return h
+
+
+def stage_times(run_dir: Path, wall: float) -> dict[str, float]:
+    """Seconds per stage, from the run's own result files."""
+    data = json.loads((run_dir / "results.json").read_text())
+    out = {"whole run": wall}
+    for name, r in data["variants"].items():
+        if r.get("quantize") and not r["quantize"].get("cached"):
+            out[f"{name} quantize"] = r["quantize"]["quantize_wall_s"]
+        s, q = r.get("systems") or {}, r.get("quality") or {}
+        if s.get("engine_start_s"):
+            out[f"{name} engine start"] = s["engine_start_s"]
+        if q.get("duration_s"):
+            out[f"{name} quality"] = q["duration_s"]
+        if s.get("status") == "ok":
+            out[f"{name} systems"] = s["duration_s"]
+    return out
+
+
+def one_run(recipe: str, cold: bool) -> tuple[dict[str, float], int]:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, **({"QUANTIZE_EVAL_HOME": str(cold_home(Path(tmp)))} if cold else {})}
+        t0 = time.perf_counter()
+        proc = subprocess.run([str(ROOT / "quantize-eval"), recipe, "--fresh", "--quiet"], cwd=ROOT, env=env,
+                              capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        report = next((ln.split(":", 1)[1].strip() for ln in proc.stdout.splitlines() if ln.startswith("report:")),
+                      None)
+        if report is None or not Path(report).exists():
+            print(proc.stdout[-2000:], proc.stderr[-2000:])
+            raise SystemExit(f"run failed (exit {proc.returncode}) after {wall:.0f} s")
+        return stage_times(Path(report).parent, wall), proc.returncode
 
 
 def main() -> int:
-    recipe = sys.argv[1] if len(sys.argv) > 1 else "recipes/awq.yaml"
-    t0 = time.perf_counter()
-    proc = subprocess.run([str(ROOT / "quantize-eval"), recipe, "--fresh"], cwd=ROOT,
-                          capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    peak_children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    print(proc.stdout[-4000:])
-    run_dir = next((line.split(":", 1)[1].strip() for line in proc.stdout.splitlines()
-                    if line.startswith("report:")), None)
-    if run_dir is None:
-        print(proc.stderr[-3000:])
-        print(f"run failed (exit {proc.returncode}) after {wall:.0f} s")
-        return 1
-    data = json.loads((Path(run_dir).parent / "results.json").read_text())
-    print(f"\n== figures ({recipe}) ==")
-    print(f"exit code {proc.returncode}, verdict {data['signoff']['verdict']}")
-    for name, r in data["variants"].items():
-        parts = []
-        if r["quantize"]:
-            parts.append(f"quantize {r['quantize']['quantize_wall_s']:.0f} s"
-                         f"{' (cached)' if r['quantize']['cached'] else ''}, "
-                         f"peak RSS {r['quantize']['peak_rss_bytes'] / 2**30:.2f} GiB")
-        if r["systems"] and r["systems"].get("engine_start_s"):
-            parts.append(f"engine start {r['systems']['engine_start_s']:.0f} s")
-        if r["quality"]:
-            parts.append(f"quality {r['quality']['duration_s']:.0f} s")
-        if r["systems"] and r["systems"]["status"] == "ok":
-            parts.append(f"systems {r['systems']['duration_s']:.0f} s, engine peak "
-                         f"{r['systems']['peak_memory_bytes'] / 2**30:.2f} GiB")
-        print(f"{name:>16}: " + "; ".join(parts))
-    walls = data["manifest"].get("wall_s", {})
-    print("per variant wall: " + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items()))
-    print(f"whole run wall {wall:.0f} s (target 900 s); peak RSS of any one process "
-          f"{peak_children / 2**30:.2f} GiB")
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("recipe", nargs="?", default="recipes/awq.yaml")
+    ap.add_argument("--cold", action="store_true", help="empty result and checkpoint caches for every run")
+    ap.add_argument("--runs", type=int, default=3)
+    a = ap.parse_args()
+    recipe, runs, cold = a.recipe, a.runs, a.cold
+    results = []
+    for i in range(runs):
+        times, rc = one_run(recipe, cold)
+        results.append(times)
+        print(f"run {i + 1}/{runs} (exit {rc}): " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()), flush=True)
+    print(f"\n== {recipe}, {runs} runs, {'cold result and checkpoint caches' if cold else 'caches as they are'} ==")
+    for key in results[0]:
+        vals = [r[key] for r in results if key in r]
+        print(f"{key:>32}: median {statistics.median(vals):6.0f} s, spread {max(vals) - min(vals):5.0f} s "
+              f"({', '.join(f'{v:.0f}' for v in vals)})")
     return 0
 
 
