@@ -94,12 +94,18 @@ def test_unmeasured_metric_is_na_not_pass():
     assert out.outcome == "N/A"
 
 
-def test_a_fail_gate_this_hardware_cannot_measure_is_unverified_not_failed(tmp_path):
+def tpot_gate_without_latency(tmp_path, status: str, error: str):
+    """A fail gate on latency, and a variant whose systems stage measured none (`status`, `error`)."""
     r = recipe([{"metric": "tpot_p50_ratio", "op": "<=", "threshold": 2.0, "severity": "fail"}])
     root = make_run(tmp_path / "run", r, BASE, BASE)
     results = load_results(root)
     results["v4"]["systems"] = results["v4"]["systems"].model_copy(
-        update={"status": "skipped", "latency": None, "error": "no W4A16 kernel on this CPU"})
+        update={"status": status, "latency": None, "error": error})
+    return r, root, results
+
+
+def test_a_fail_gate_this_hardware_cannot_measure_is_unverified_not_failed(tmp_path):
+    r, root, results = tpot_gate_without_latency(tmp_path, "skipped", "no W4A16 kernel on this CPU")
     results["v4"]["support"] = {"mode": "emulated", "format": "wna16"}
     so = signoff(r, "h", root, results)
     g = so.variants[0].gates[0]
@@ -112,11 +118,7 @@ def test_a_fail_gate_this_hardware_cannot_measure_is_unverified_not_failed(tmp_p
 
 
 def test_a_fail_gate_unmeasured_for_another_reason_fails(tmp_path):
-    r = recipe([{"metric": "tpot_p50_ratio", "op": "<=", "threshold": 2.0, "severity": "fail"}])
-    root = make_run(tmp_path / "run", r, BASE, BASE)
-    results = load_results(root)
-    results["v4"]["systems"] = results["v4"]["systems"].model_copy(
-        update={"status": "failed", "latency": None, "error": "engine exited during the workload"})
+    r, root, results = tpot_gate_without_latency(tmp_path, "failed", "engine exited during the workload")
     so = signoff(r, "h", root, results)
     g = so.variants[0].gates[0]
     assert g.outcome == "FAIL" and "not measured" in g.note and "engine exited" in g.note
