@@ -289,6 +289,18 @@ def test_validate_applies_the_checks_run_makes_first(tmp_path):
     assert "variants.0.group_size: 128 does not divide the model's hidden_size = 576" in proc.stderr
 
 
+def test_validate_asks_the_engine_whether_it_knows_the_architecture(tmp_path):
+    d = base()
+    d["model"] = {"path": str(tiny_config_dir(tmp_path, architectures=["NoSuchModelForCausalLM"]))}
+    d["engine"]["max_model_len"] = 512
+    path = write(tmp_path, d)
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "validate", str(path)], capture_output=True,
+                          text=True, cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
+                                                        "QUANTIZE_EVAL_HOME": str(tmp_path / "home")}, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert "architectures ['NoSuchModelForCausalLM']: no model class of this engine serves it" in proc.stderr
+
+
 def test_group_size_must_tile_the_model(tmp_path):
     d = base()
     d["model"] = {"path": str(tiny_config_dir(tmp_path, hidden_size=576, intermediate_size=1536))}
