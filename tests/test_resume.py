@@ -68,7 +68,7 @@ def test_sigkill_at_several_points_then_resume(tmp_path):
         "variants": [{"name": "rtn", "scheme": "rtn_w4a16", "group_size": 64}],
         "quality": {"suites": ["piqa"], "limit": 8, "bootstrap_samples": 100},
         "workload": {"prompt_tokens": 16, "output_tokens": 4, "concurrency": 1, "num_requests": 2,
-                     "warmup_requests": 0},
+                     "warmup_requests": 0, "repeats": 1},
         "runs_dir": str(tmp_path / "runs"),
     }
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
