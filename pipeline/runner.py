@@ -55,6 +55,9 @@ def _reuse(vdir: Path, name: str, qh: str, sh: str, systems_skip: str | None):
     s = read_result(vdir / "systems.json", SystemsResult, sh)
     q = q if q and q.status == "ok" else None  # a failed attempt is retried, never reused
     s = s if s and (s.status == "ok" or (systems_skip and s.status == "skipped")) else None
+    for stage, r in (("quality", q), ("systems", s)):  # measured here by a run that died before storing it
+        if r is not None:
+            resultcache.store(stage, r, vdir, vdir.parent)
     if q is None and (q := resultcache.fetch("quality", qh, QualityResult, vdir, name)):
         say(name, "quality: measured earlier with identical inputs (result cache)")
     if s is None and not systems_skip and (s := resultcache.fetch("systems", sh, SystemsResult, vdir, name)):
@@ -230,10 +233,11 @@ def run_local(ctx: RunContext) -> dict[str, float]:
     return timings
 
 
-def identity_of(recipe: Recipe) -> str:
-    """What the experiment is: the same name and identity resume one run folder. Variants, gates and
-    the objective are left out, so adding a variant or changing a gate costs only what changed."""
-    return hash_obj(recipe.model_dump(mode="json", include={"model", "engine", "calibration", "quality", "workload"}))
+def identity_of(recipe: Recipe, recipe_path: Path) -> str:
+    """Which recipe a run folder belongs to: its name and its file. Another recipe file that shares the
+    name never resumes into the folder; the same file, edited (a variant added, the workload changed),
+    does, and the stages' input hashes decide what is measured again."""
+    return hash_obj({"name": recipe.name, "file": str(Path(recipe_path).resolve())})
 
 
 def _start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, dict]:
@@ -244,7 +248,7 @@ def _start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, 
     except assets.AssetError as exc:
         raise PreflightError(f"{recipe_path}: model.builtin: {exc}") from None
     preflight(recipe, recipe_path, model_dir)
-    identity = identity_of(recipe)
+    identity = identity_of(recipe, recipe_path)
     run_dir, resumed = open_run(Path(recipe.runs_dir), recipe.name, identity, fresh)
     say("run", f"{'resuming' if resumed else 'new run'}: {run_dir.root}")
     (run_dir.root / "signoff.json").unlink(missing_ok=True)  # never show a stale verdict

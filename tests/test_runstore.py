@@ -81,7 +81,7 @@ def test_a_rerun_that_dies_leaves_no_earlier_verdict_behind(tmp_path, monkeypatc
     r = Recipe.model_validate(d)
     old = minirun.make_run(tmp_path / "runs" / f"{r.name}-20260101T000000Z", r, {"piqa": [1, 0]}, {"piqa": [1, 0]})
     m = json.loads((old / "manifest.json").read_text())
-    write_json(old / "manifest.json", {**m, "identity": runner.identity_of(r)})  # this recipe's own run
+    write_json(old / "manifest.json", {**m, "identity": runner.identity_of(r, tmp_path / "r.yaml")})  # its own run
     write_json(old / "signoff.json", signoff(r, "h", old, minirun.load_results(old)))
     render_run(old)
     assert json.loads((old / "results.json").read_text())["signoff"]["verdict"] == "WARN"
@@ -151,22 +151,21 @@ def test_an_unreachable_ray_cluster_fails_at_once_in_one_line(tmp_path):
     assert time.time() - t0 < 60 and not list((tmp_path / "runs").glob("*-*"))  # no run folder
 
 
-def test_a_recipe_resumes_only_its_own_experiment(tmp_path):
-    """Same name, another experiment (here: another suite list) never resumes into the folder; the
-    same experiment with a variant added does."""
+def test_a_recipe_resumes_only_its_own_folder(tmp_path):
+    """Same name, another recipe file: never resumes into the folder; the same file edited (a variant
+    added) does."""
     import json
 
     from pipeline import runner
     from pipeline.runstore import write_json
     from tests import minirun
 
-    r = minirun.recipe([])
-    first, _ = open_run(tmp_path / "runs", r.name, runner.identity_of(r))
-    write_json(first.manifest, {"recipe_name": r.name, "identity": runner.identity_of(r)})
+    r, mine, other = minirun.recipe([]), tmp_path / "recipes" / "awq.yaml", tmp_path / "elsewhere" / "awq.yaml"
+    first, _ = open_run(tmp_path / "runs", r.name, runner.identity_of(r, mine))
+    write_json(first.manifest, {"recipe_name": r.name, "identity": runner.identity_of(r, mine)})
     more = r.model_copy(update={"variants": (*r.variants, r.variants[0].model_copy(update={"name": "v8"}))})
-    again, resumed = open_run(tmp_path / "runs", r.name, runner.identity_of(more))
+    again, resumed = open_run(tmp_path / "runs", r.name, runner.identity_of(more, mine))
     assert resumed and again.root == first.root
-    other = r.model_copy(update={"quality": r.quality.model_copy(update={"suites": ("piqa",)})})
-    new, resumed = open_run(tmp_path / "runs", r.name, runner.identity_of(other))
+    new, resumed = open_run(tmp_path / "runs", r.name, runner.identity_of(r, other))
     assert not resumed and new.root != first.root
-    assert json.loads(first.manifest.read_text())["identity"] == runner.identity_of(r)  # untouched
+    assert json.loads(first.manifest.read_text())["identity"] == runner.identity_of(r, mine)  # untouched
