@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import envs, pkgindex, suitetable
-from pipeline.runstore import atomic_write_text, sha256_file, sha256_tree, write_json
+from pipeline.runstore import atomic_write_text, drop_stale_tmp, sha256_file, sha256_tree, tmp_name, write_json
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,8 @@ def fetch_wheel(w: Wheel, dest_dir: Path | None = None) -> Path:
     if dest.exists() and sha256_file(dest) == w.sha256:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    for stale in dest.parent.glob(f".{w.filename}.tmp*"):  # a killed fetch's partial file
-        if not Path(f"/proc/{stale.name.rsplit('.tmp', 1)[1]}").exists():
-            stale.unlink(missing_ok=True)
-    tmp = dest.with_name(f".{w.filename}.tmp{os.getpid()}")
+    drop_stale_tmp(dest)  # a killed fetch's partial file
+    tmp = tmp_name(dest)
     try:
         pkgindex.download(w.name, w.filename, w.sha256, tmp)
     except Exception as exc:  # noqa: BLE001 - whatever broke the transfer, no partial file stays

@@ -82,16 +82,16 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def _tmp_name(target: Path) -> Path:
-    """<name>.tmp<pid>@<host>: a cache shared by several hosts tells whose half-written folder it is."""
+def tmp_name(target: Path) -> Path:
+    """<name>.tmp<pid>@<host>: a cache shared by several hosts tells whose half-written file or folder it is."""
     import socket
 
     return target.with_name(f"{target.name}.tmp{os.getpid()}@{socket.gethostname()}")
 
 
 def drop_stale_tmp(target: Path) -> None:
-    """Half-written folders of killed runs (<name>.tmp<pid>[@<host>], that pid gone on this host)
-    are never trusted; another host's are left alone (its pids are not in this /proc)."""
+    """Half-written files or folders of killed runs (<name>.tmp<pid>[@<host>], that pid gone on this
+    host) are never trusted; another host's are left alone (its pids are not in this /proc)."""
     import socket
 
     for tmp in target.parent.glob(target.name + ".tmp*"):
@@ -99,7 +99,10 @@ def drop_stale_tmp(target: Path) -> None:
         if host and host != socket.gethostname():
             continue
         if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -109,7 +112,7 @@ def atomic_dir(target: Path, replace: bool = True) -> Iterator[Path]:
     folder empty (a producer that had nothing to write). replace=False keeps a target another writer
     published first (content-addressed: both wrote the same thing); any other failure to publish raises."""
     drop_stale_tmp(target)
-    tmp = _tmp_name(target)
+    tmp = tmp_name(target)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
