@@ -21,9 +21,11 @@ SCHEMES = ROOT / "pipeline" / "schemes.py"
 
 # 1: the layout of the keys below (2026-11-30; earlier keys were shaped for compatibility)
 QUANTIZE_KEY_VERSION = 1
-QUALITY_KEY_VERSION = 1
+# 2: the KV pool's fields left out (they key systems only)
+QUALITY_KEY_VERSION = 2
 # 1: the admission probe is a concurrency ramp whose output is sized from the token budget
-SYSTEMS_KEY_VERSION = 1
+# 2: the KV pool sized by a memory budget (pipeline/membudget.py)
+SYSTEMS_KEY_VERSION = 2
 
 # the code that measures, fingerprinted into each key: a fix to a measurement recomputes exactly the
 # results it measured (the engine-side hook and the server wrapper serve both stages)
@@ -33,7 +35,11 @@ ENGINE_SIDE = (PIPELINE / "engines" / "server.py", PIPELINE / "engines" / "hooks
 QUALITY_CODE = (PIPELINE / "stages" / "quality.py", PIPELINE / "suites.py", PIPELINE / "drift.py",
                 ROOT / "evalsuites" / "qe_utils.py", *ENGINE_SIDE)
 SYSTEMS_CODE = (PIPELINE / "stages" / "systems.py", PIPELINE / "stages" / "admission.py", PIPELINE / "prompts.py",
-                PIPELINE / "capacity.py", PIPELINE / "engines" / "loadgen.py", *ENGINE_SIDE)
+                PIPELINE / "capacity.py", PIPELINE / "membudget.py", PIPELINE / "stages" / "reserve.py",
+                PIPELINE / "engines" / "loadgen.py", PIPELINE / "engines" / "memory.py", *ENGINE_SIDE)
+
+
+POOL_FIELDS = ("memory_budget_gib", "kv_cache_gib", "gpu_memory_utilization")
 
 
 def source_hash(*paths: Path) -> str:
@@ -65,7 +71,7 @@ def dense_key(quantize_key_: str) -> str:
 def _common(recipe, weights_hash: str, dtype: str, extra_args: list[str]) -> dict:
     from pipeline.engines.server import engine_placement  # may run nvidia-smi: only when keys are made
 
-    engine = recipe.engine.model_dump(exclude={"startup_timeout_s"})
+    engine = recipe.engine.model_dump(exclude={"startup_timeout_s", *POOL_FIELDS})
     engine["variant_args"] = [a for a in extra_args if not a.startswith("/")]  # paths differ per machine
     engine["placement"] = engine_placement()
     return {"weights": weights_hash, "engine": engine, "dtype": dtype,
@@ -90,7 +96,12 @@ def systems_key(recipe, common: dict) -> str:
                      "code": source_hash(*SYSTEMS_CODE)})
 
 
-def evaluate_keys(recipe, weights_hash: str, dtype: str, extra_args: list[str]) -> tuple[str, str]:
-    """(quality key, systems key) of one set of weights served with these engine arguments."""
+def evaluate_keys(recipe, weights_hash: str, dtype: str, extra_args: list[str], plan=None) -> tuple[str, str]:
+    """(quality key, systems key) of one set of weights served with these engine arguments. The KV pool
+    (the budget, a fixed size, and the pool the plan gives this engine) keys systems only: answers do not
+    depend on the pool's size, capacity and memory do."""
     common = _common(recipe, weights_hash, dtype, extra_args)
-    return quality_key(recipe, common), systems_key(recipe, common)
+    pool = recipe.engine.model_dump(include=set(POOL_FIELDS))
+    pool["plan"] = plan.model_dump(include={"mode", "budget_bytes", "reserve_bytes", "pool_bytes", "projected"}) \
+        if plan is not None else None
+    return quality_key(recipe, common), systems_key(recipe, {**common, "pool": pool})

@@ -139,12 +139,53 @@ def peak_memory_ratio(inp: Inputs, scope: str) -> Measured:
                     caveat=_hosts(inp)) if both else NONE
 
 
+def _projected(inp: Inputs, what: str, value) -> Measured:
+    """A capacity figure of a variant no engine ran natively here: its projection, named in the caveat,
+    never the value a gate judges (N/A -> UNVERIFIED for a fail gate)."""
+    plan = inp.systems.kv.plan if inp.systems and inp.systems.kv else None
+    if plan is None or not plan.projected:
+        return NONE
+    shown = f"{value:.2f}" if isinstance(value, float) else "unknown"
+    return Measured(value=None, caveat=f"projected {what} {shown} (served as dense weights here: no native kernel); "
+                    "not measured")
+
+
+def _base_plan_tokens(inp: Inputs) -> int | None:
+    b = inp.base_systems
+    return b.kv.tokens if b and b.kv else None
+
+
 def kv_tokens_ratio(inp: Inputs, scope: str) -> Measured:
     both = _served(inp)
     if both is None:
-        return NONE
+        v = inp.systems
+        projected = v.kv.plan.tokens if v and v.kv and v.kv.plan else None
+        return _projected(inp, "KV tokens ratio", _ratio(projected, _base_plan_tokens(inp)))
     v, b = both
     return Measured(value=_ratio(v.kv.tokens if v.kv else None, b.kv.tokens if b.kv else None))
+
+
+def _knee(s: SystemsResult) -> int | None:
+    return s.kv.probe.knee if s.kv and s.kv.probe else None
+
+
+def admission_ratio(inp: Inputs, scope: str) -> Measured:
+    both = _served(inp)
+    if both is None:
+        return _projected(inp, "admission ratio", None)
+    v, b = both
+    return Measured(value=_ratio(_knee(v), _knee(b)))
+
+
+def max_concurrency(inp: Inputs, scope: str) -> Measured:
+    both = _served(inp)
+    if both is None:
+        v = inp.systems
+        plan = v.kv.plan if v and v.kv else None
+        return _projected(inp, "max concurrency", float(plan.admitted) if plan and plan.admitted is not None
+                          else None)
+    v = both[0]
+    return Measured(value=v.kv.admission_kv_only if v.kv else None)
 
 
 @dataclass(frozen=True)
@@ -197,5 +238,11 @@ METRICS: dict[str, Metric] = {
         higher_is_better=False),
     "peak_memory_ratio": Metric(
         "systems", "ratio", "Peak engine memory, variant / baseline.", peak_memory_ratio, higher_is_better=False),
-    "kv_tokens_ratio": Metric("systems", "ratio", "KV-cache capacity in tokens, variant / baseline.", kv_tokens_ratio),
+    "kv_tokens_ratio": Metric("systems", "ratio", "KV-cache capacity in tokens, variant / baseline, as the engines "
+                              "reported it (under the memory budget, what smaller weights free shows here).",
+                              kv_tokens_ratio),
+    "admission_ratio": Metric("systems", "ratio", "Measured admission knee (most requests of the probe's shape that "
+                              "run at once without queueing), variant / baseline.", admission_ratio, needs="admission"),
+    "max_concurrency": Metric("systems", "requests", "Requests of the workload's prompt+output shape the variant's KV "
+                              "pool holds at once (the KV bound, from the engine's blocks).", max_concurrency),
 }

@@ -49,6 +49,32 @@ def check_model_limits(recipe: Recipe, recipe_path: Path, model_dir: Path) -> No
                                  f"model's {k} = {d}; pick a divisor (e.g. {_divisor(d)}) or null for per-channel")
 
 
+def check_budget(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
+    """A memory budget that cannot hold the base model's weights as loaded, the runtime reserve (when
+    this host measured it before; the first run measures it) and one max_model_len sequence."""
+    from pipeline import membudget, provenance
+    from pipeline.stages import reserve as reserve_stage
+
+    if membudget.mode(recipe.engine, envs.has_nvidia_gpu()) != "budget":
+        return
+    dtype = provenance.resolve_dtype(recipe.engine.dtype)
+    act = 4 if dtype == "float32" else 2
+    cfg = modelcfg.read(model_dir)
+    known = reserve_stage.cached_reserve(recipe, model_dir, dtype)
+    reserve = known or {"reserve_bytes": 0, "source": "not measured yet"}
+    try:
+        p = membudget.plan(recipe.engine, cfg, model_dir, act, act, False, reserve)
+    except KeyError:  # a config without the attention shapes: the engine's start will say what is wrong
+        return
+    except ValueError as exc:
+        raise PreflightError(f"{recipe_path}: engine.memory_budget_gib: {exc}") from None
+    try:
+        membudget.check_fits(p, cfg, recipe.engine, act, "the base model" + ("" if known else
+                             " (before the runtime reserve, which the first run measures)"))
+    except ValueError as exc:
+        raise PreflightError(f"{recipe_path}: {exc}") from None
+
+
 def check_disk(recipe: Recipe, model_dir: Path) -> None:
     weights = weight_bytes(model_dir)
     need = weights * (len(recipe.variants) + 1)  # each checkpoint (and its dense copy) < the model
@@ -143,6 +169,7 @@ def for_validate(recipe: Recipe, recipe_path: Path) -> str | None:
         model_dir = Path(recipe.model.path).resolve()
     check_model_limits(recipe, recipe_path, model_dir)
     check_disk(recipe, model_dir)
+    check_budget(recipe, recipe_path, model_dir)
     check_runs_dir(recipe, recipe_path)
     if not recipe.model.builtin:
         check_architecture(model_dir)
@@ -172,5 +199,6 @@ def check_architecture(model_dir: Path) -> None:
 def preflight(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
     check_model_limits(recipe, recipe_path, model_dir)
     check_disk(recipe, model_dir)
+    check_budget(recipe, recipe_path, model_dir)
     fetch_data(recipe, recipe_path)
     check_runs_dir(recipe, recipe_path)

@@ -14,20 +14,19 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 
 from pipeline import metrics, schemes, suitetable
 from pipeline.recipe_files import RecipeError, check_import, check_llmc_recipe, check_model_dir, one_line, read_mapping
 from pipeline.recipe_files import check_checkpoint_dir as check_checkpoint_dir  # re-exported for callers
+from pipeline.recipe_serving import DEFAULT_BUDGET_GIB as DEFAULT_BUDGET_GIB  # re-exported
+from pipeline.recipe_serving import CellSpec as CellSpec  # re-exported
+from pipeline.recipe_serving import EngineSpec, Strict, WorkloadSpec
 from pipeline.schemes import W4_SCHEMES as W4_SCHEMES  # re-exported: the schemes that take a group_size
 
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
 BUILTIN_CALIBRATION = ("xsum",)
 NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ModelSpec(Strict):
@@ -42,27 +41,6 @@ class ModelSpec(Strict):
         if (self.builtin is None) == (self.path is None):
             raise ValueError("set exactly one of model.builtin or model.path")
         return self
-
-
-class EngineSpec(Strict):
-    """vLLM arguments shared by the baseline and every variant: the controlled experiment."""
-
-    max_model_len: int = Field(2048, ge=64, description="Context length every engine serves.")
-    max_num_seqs: int = Field(16, ge=1, le=1024, description="Sequences the scheduler runs at once.")
-    kv_cache_gib: float = Field(
-        1.0, gt=0, description="KV pool size in GiB (--kv-cache-memory-bytes), the same for every variant.")
-    gpu_memory_utilization: float = Field(
-        0.85, gt=0, le=0.98, description="Fraction of GPU memory vLLM may take (GPU only).")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="Activation dtype. auto: bfloat16 on GPUs and CPUs with native bf16 "
-        "(AVX512-BF16/AMX), else float32 (bf16 is emulated there and its prefill much slower: README, Performance).")
-    enforce_eager: bool = Field(
-        True, description="Skip graph compilation: a faster engine start, since compiled graphs are rebuilt at every "
-        "start here.")
-    seed: int = Field(0, description="Engine seed.")
-    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one engine spans (--tensor-parallel-size); "
-                                      "with the ray executor, the GPUs each variant's evaluation requests.")
-    startup_timeout_s: float = Field(600, gt=0, description="Give up on an engine start after this.")
 
 
 class CalibrationSpec(Strict):
@@ -211,51 +189,6 @@ class QualitySpec(Strict):
         return self.limits.get(suite, self.limit)
 
 
-class CellSpec(Strict):
-    """One more cell of the workload matrix (same request count, timeout and repeats as the
-    primary cell)."""
-
-    prompt_tokens: int = Field(ge=1, description="Prompt length in tokens.")
-    output_tokens: int = Field(ge=2, description="Generated tokens per request.")
-    concurrency: int = Field(ge=1, le=1024, description="Requests in flight at once.")
-    prefix: Literal["unique", "shared"] = Field(
-        "unique", description="unique: every prompt distinct (prefix cache cold); shared: every prompt "
-        "starts with the same first half (the cache is warm after the first request).")
-
-
-class WorkloadSpec(Strict):
-    """The primary serving cell (gates read it) plus an optional matrix of further cells."""
-
-    prompt_tokens: int = Field(256, ge=1, description="Prompt length in tokens.")
-    output_tokens: int = Field(64, ge=2, description="Generated tokens per request (ignore_eos).")
-    concurrency: int = Field(4, ge=1, le=1024, description="Requests in flight at once.")
-    num_requests: int = Field(32, ge=1, description="Measured requests.")
-    warmup_requests: int = Field(4, ge=0, description="Requests sent first and not measured.")
-    request_timeout_s: float = Field(300, gt=0, description="A request slower than this is a timeout.")
-    repeats: int = Field(3, ge=1, le=10, description="Measure each cell this many times in one engine start; "
-                         "latency gates are judged on the range over the repeats (a threshold inside it is "
-                         "INCONCLUSIVE, not a regression) and the spread of p50 TPOT is reported.")
-    slo_ttft_ms: float | None = Field(None, gt=0, description="Goodput SLO: TTFT at most this.")
-    slo_tpot_ms: float | None = Field(None, gt=0, description="Goodput SLO: TPOT at most this.")
-    cost_per_hour_usd: float | None = Field(None, ge=0, description="Hardware price, for $ per 1k requests.")
-    matrix: tuple[CellSpec, ...] = Field(
-        (), description="Further cells: prompt x output length x concurrency x prefix sharing.")
-    admission_probe: bool = Field(
-        False, description="Measure the admission knee: ramp concurrency (1, 2, 4, ... up to the predicted "
-        "admission, then one past it; bisected if requests queue sooner) with a fixed request shape sized so "
-        "the KV pool binds before max_num_seqs (when max_model_len allows), polling the engine's running/"
-        "waiting/preemption/KV-usage gauges. Costs about four pool-filling batches per variant.")
-    memory_bandwidth_gbps: float | None = Field(
-        None, gt=0, description="For the decode roofline; null = measured on the host (numpy copy, "
-        "one thread) on CPU. Set it on GPUs (e.g. 4800 for an H200).")
-
-    @model_validator(mode="after")
-    def _enough(self) -> WorkloadSpec:
-        if self.num_requests < self.concurrency:
-            raise ValueError("num_requests must be at least concurrency")
-        return self
-
-
 class GateSpec(Strict):
     """metric OP threshold, judged on the conservative end of the metric's CI if it has one."""
 
@@ -344,6 +277,8 @@ class Recipe(Strict):
             m = metrics.METRICS[g.metric]
             if m.needs == "drift" and "drift" not in q.suites:
                 raise ValueError(f"gates.{i}.metric: {g.metric} needs the drift suite in quality.suites")
+            if m.needs == "admission" and not self.workload.admission_probe:
+                raise ValueError(f"gates.{i}.metric: {g.metric} needs workload.admission_probe: true")
             if m.needs == "items" and not [s for s in q.suites if s != "drift"]:
                 raise ValueError(f"gates.{i}.metric: {g.metric} needs a scored suite besides drift")
             suite = g.scope.split("/")[0]

@@ -152,6 +152,37 @@ class AdmissionProbe(Model):
     note: str = ""
 
 
+class BudgetPlan(Model):
+    """How one engine's KV pool was sized (pipeline/membudget.py) and what the engine then did with it."""
+
+    mode: Literal["budget", "gpu", "fixed"] = Field(
+        description="budget: pool = budget - weights - reserve (CPU); gpu: vLLM sized the pool within "
+        "gpu_memory_utilization; fixed: engine.kv_cache_gib for every variant.")
+    projected: bool = Field(False, description="No engine ran these weights natively here: capacity is "
+                            "projected from the weights the checkpoint would load as, never measured.")
+    budget_bytes: int | None = None
+    budget_source: str = ""
+    weights_bytes: int = Field(description="Weights as loaded, predicted from the safetensors headers "
+                               "(engine dtype for floating-point tensors, quantized tensors as stored).")
+    engine_weights_bytes: int | None = Field(None, description="Parameters the engine reported it loaded.")
+    reserve_bytes: int | None = Field(None, description="Runtime reserve (neither weights nor pool), measured "
+                                      "once per run and the same for every variant.")
+    reserve_source: str = ""
+    pool_bytes: int | None = Field(None, description="KV pool the engine was given (budget, fixed) or chose (gpu).")
+    kv_bytes_per_block: int
+    block_size: int
+    tokens: int | None = Field(None, description="KV tokens the pool holds by the arithmetic (whole blocks).")
+    admitted: int | None = Field(None, description="Requests of the workload's prompt+output shape the pool holds "
+                                 "at once by the arithmetic (the KV bound, before max_num_seqs).")
+    engine_tokens: int | None = Field(None, description="KV tokens the engine reported.")
+    peak_bytes: int | None = Field(None, description="Peak memory of the engine's process tree, beside the budget.")
+
+    @property
+    def loaded_bytes(self) -> int | None:
+        """Memory as loaded: the weights the engine holds plus its KV pool."""
+        return self.weights_bytes + self.pool_bytes if self.pool_bytes is not None else None
+
+
 class KVCapacity(Model):
     block_size: int | None
     num_blocks: int | None
@@ -166,6 +197,7 @@ class KVCapacity(Model):
         "min((KV blocks - 1 null block) // blocks per sequence, max_num_seqs).")
     admission_kv_only: int | None = Field(None, description="The KV-pool bound alone.")
     probe: AdmissionProbe | None = Field(None, description="The measured admission knee, if the recipe asks.")
+    plan: BudgetPlan | None = Field(None, description="How the pool was sized: budget, gpu or fixed.")
 
 
 class Latency(Model):
@@ -213,7 +245,10 @@ class SystemsResult(StageResult):
     host: str | None = Field(None, description="The machine it was measured on: ratios between results of "
                              "different hosts are not like for like.")
     checkpoint_bytes: int | None = None
-    peak_memory_bytes: int | None = Field(None, description="Peak RSS summed over the engine tree.")
+    peak_memory_bytes: int | None = Field(None, description="Peak RSS summed over the engine tree, sampled.")
+    peak_memory_hwm_bytes: int | None = Field(
+        None, description="Sum over the engine tree of each process's kernel high-water mark (VmHWM): catches "
+        "spikes the sampling misses; what the memory budget is checked against.")
     weight_memory_bytes: int | None = Field(
         None, description="Parameters + buffers the engine holds once its weights are loaded (engine dtype, "
         "quantized tensors as stored), reported from inside the engine; None if it did not report.")

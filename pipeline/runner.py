@@ -21,14 +21,15 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline import assets, envs, keys, modelcfg, outcome, provenance, resultcache, schemes, support
+from pipeline import assets, envs, keys, membudget, modelcfg, outcome, provenance, resultcache, schemes, support
 from pipeline.console import say
 from pipeline.outcome import Spent, VariantOutcome
 from pipeline.preflight import PreflightError, check_ray_address, preflight
 from pipeline.recipe import Recipe
-from pipeline.results import QualityResult, SystemsResult
+from pipeline.results import BudgetPlan, QualityResult, SystemsResult
 from pipeline.runstore import RunDir, RunLocked, hash_obj, open_run, read_result, run_lock, write_json
 from pipeline.stages import quantize as quantize_stage
+from pipeline.stages import reserve as reserve_stage
 
 __all__ = ["PreflightError", "RunLocked", "run", "run_stage", "stage_main", "support_table"]
 
@@ -65,20 +66,43 @@ def _reuse(vdir: Path, name: str, qh: str, sh: str, systems_skip: str | None):
     return q, s
 
 
-def evaluate_variant(recipe: Recipe, name: str, model_dir: Path, weights_hash: str, dtype: str,
-                     run: RunDir, spent: Spent, systems_skip: str | None = None,
-                     checkpoint_bytes: int | None = None, extra_args: list[str] | None = None) -> None:
+def pool_plan(ctx: RunContext, weights_dir: Path, extra_args: list[str], name: str,
+              projected_from: Path | None = None) -> BudgetPlan:
+    """The KV pool one engine gets under the recipe's memory budget (pipeline/membudget.py); the
+    runtime reserve is measured once per run. A pool that cannot hold one sequence fails here, before
+    any engine starts."""
+    gpu = envs.has_nvidia_gpu()
+    act = 4 if ctx.dtype == "float32" else 2
+    kv = 1 if "fp8" in extra_args else act
+    reserve = None
+    if membudget.mode(ctx.recipe.engine, gpu) == "budget":
+        reserve = reserve_stage.reserve_for(ctx.recipe, ctx.run_dir.root, ctx.model_dir, ctx.model_id, ctx.dtype,
+                                            log=lambda m: say(name, m))
+    cfg = modelcfg.read(ctx.model_dir)
+    w = ctx.recipe.workload
+    p = membudget.plan(ctx.recipe.engine, cfg, weights_dir, act, kv, gpu, reserve, projected_from,
+                       seq_len=w.prompt_tokens + w.output_tokens)
+    membudget.check_fits(p, cfg, ctx.recipe.engine, kv, f"{name}'s weights")
+    return p
+
+
+def evaluate_variant(ctx: RunContext, name: str, model_dir: Path, weights_hash: str, spent: Spent,
+                     systems_skip: str | None = None, checkpoint_bytes: int | None = None,
+                     extra_args: list[str] | None = None, plan: BudgetPlan | None = None) -> None:
     """Quality and systems for one set of weights; systems_skip records why systems are not measured;
-    extra_args are the engine options this variant changes on purpose (e.g. an FP8 KV cache)."""
+    extra_args are the engine options this variant changes on purpose (e.g. an FP8 KV cache); plan is
+    its KV pool under the memory budget (a projected one when systems are skipped)."""
     from pipeline.stages.evaluate import evaluate
 
+    recipe, dtype, run = ctx.recipe, ctx.dtype, ctx.run_dir
     vdir = run.variant(name)
     extra_args = list(extra_args or [])
-    qh, sh = keys.evaluate_keys(recipe, weights_hash, dtype, extra_args)
+    qh, sh = keys.evaluate_keys(recipe, weights_hash, dtype, extra_args, plan)
     q, s = _reuse(vdir, name, qh, sh, systems_skip)
     if systems_skip and s is None:
         s = SystemsResult(variant=name, input_hash=sh, status="skipped", duration_s=0.0,
-                          error=systems_skip, checkpoint_bytes=checkpoint_bytes)
+                          error=systems_skip, checkpoint_bytes=checkpoint_bytes,
+                          kv=membudget.projected_capacity(plan, recipe) if plan else None)
         write_json(vdir / "systems.json", s)
         say(name, f"systems: not measured ({systems_skip})")
     if q and s:
@@ -87,7 +111,7 @@ def evaluate_variant(recipe: Recipe, name: str, model_dir: Path, weights_hash: s
     say(name, "evaluate: starting engine (" + ", ".join(
         x for x, need in (("quality", q is None), ("systems", s is None)) if need) + ")")
     q2, s2 = evaluate(model_dir, recipe, name, vdir, dtype, None if q else qh, None if s else sh,
-                      run.root / "tasks", log=lambda m: say(name, m), extra_args=extra_args, spent=spent)
+                      run.root / "tasks", log=lambda m: say(name, m), extra_args=extra_args, spent=spent, plan=plan)
     for stage, r in (("quality", q2), ("systems", s2)):
         if r is not None:
             resultcache.store(stage, r, vdir, run.root)
@@ -152,12 +176,14 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
     extra = engine_extra_args(v, weights_dir, ctx.model_dir)
     if decision.mode == "emulated":
         say(v.name, f"engine support: {decision.reason}")
-        evaluate_variant(ctx.recipe, v.name, quantize_stage.dense_copy(qr, vdir, spent), keys.dense_key(qr.input_hash),
-                         ctx.dtype, ctx.run_dir, spent, systems_skip=decision.reason,
-                         checkpoint_bytes=qr.checkpoint_bytes, extra_args=extra)
+        dense = quantize_stage.dense_copy(qr, vdir, spent)
+        evaluate_variant(ctx, v.name, dense, keys.dense_key(qr.input_hash), spent, systems_skip=decision.reason,
+                         checkpoint_bytes=qr.checkpoint_bytes, extra_args=extra,
+                         plan=pool_plan(ctx, dense, extra, v.name, projected_from=weights_dir))
     else:
-        evaluate_variant(ctx.recipe, v.name, weights_dir, qr.input_hash if qr else ctx.model_id, ctx.dtype,
-                         ctx.run_dir, spent, extra_args=extra, checkpoint_bytes=qr.checkpoint_bytes if qr else None)
+        evaluate_variant(ctx, v.name, weights_dir, qr.input_hash if qr else ctx.model_id, spent, extra_args=extra,
+                         checkpoint_bytes=qr.checkpoint_bytes if qr else None,
+                         plan=pool_plan(ctx, weights_dir, extra, v.name))
 
 
 def support_table(recipe: Recipe) -> list[tuple[str, support.Decision]]:
@@ -191,7 +217,7 @@ def run_stage(ctx: RunContext, name: str, stop_after: str | None = None, stage: 
     vdir.mkdir(parents=True, exist_ok=True)
     try:
         if name == "baseline":
-            evaluate_variant(ctx.recipe, name, ctx.model_dir, ctx.model_id, ctx.dtype, ctx.run_dir, spent)
+            evaluate_variant(ctx, name, ctx.model_dir, ctx.model_id, spent, plan=pool_plan(ctx, ctx.model_dir, [], name))
         else:
             v = next(x for x in ctx.recipe.variants if x.name == name)
             run_variant(ctx, v, vdir, spent, stop_after=stop_after)
@@ -269,6 +295,21 @@ def _start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, 
     return RunContext(recipe, model_dir, hash_obj(hashes), dtype, run_dir), manifest
 
 
+def check_base_fits(ctx: RunContext, recipe_path: Path) -> None:
+    """Under a memory budget, the runtime reserve is measured (or read) before any stage, so a budget
+    that cannot hold the base model exits 2 here rather than failing every variant. (The Ray executor's
+    tasks measure it on their node instead.) A probe engine that fails is left to the baseline's stage,
+    which retries it and records the failure as its own."""
+    if ctx.recipe.executor.kind == "ray":
+        return
+    try:
+        pool_plan(ctx, ctx.model_dir, [], "baseline")
+    except ValueError as exc:
+        raise PreflightError(f"{recipe_path}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001
+        say("baseline", f"runtime reserve not measured yet: {type(exc).__name__}: {exc}"[:300])
+
+
 def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
     """The whole run, one at a time per recipe (a second exits 2 naming the first)."""
     with run_lock(Path(recipe.runs_dir), recipe.name, envs.home() / "locks"):
@@ -282,6 +323,7 @@ def _run(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
     check_ray_address(recipe)
     t_run, t_epoch = time.perf_counter(), time.time()
     ctx, manifest = _start(recipe, recipe_path, fresh)
+    check_base_fits(ctx, recipe_path)
     if recipe.executor.kind == "ray":
         from pipeline import ray_executor
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from html import escape
 
+from reports.capacity import memory_as_loaded, requests_that_fit
 from reports.html import in_mib
 from reports.view import Run, Variant
 
@@ -36,8 +37,9 @@ def pareto(pts: list[Point], lower_x_better: bool) -> set[str]:
     return {p[0] for p in pts if not any(beats(o, p) for o in pts if o is not p)}
 
 
-def scatter(title: str, xlabel: str, pts: list[Point], lower_x_better: bool) -> str:
-    """An inline SVG scatter of accuracy against x; the Pareto front is ringed and joined."""
+def scatter(title: str, xlabel: str, pts: list[Point], projected: set[str], lower_x_better: bool) -> str:
+    """An inline SVG scatter of accuracy against x; the Pareto front of the measured points is ringed and
+    joined; projected points are hollow and stay off it."""
     if len(pts) < 2:
         return ""
     w, h, pad = 460, 280, 52
@@ -51,14 +53,16 @@ def scatter(title: str, xlabel: str, pts: list[Point], lower_x_better: bool) -> 
     def sy(y: float) -> float:
         return h - pad - (y - y0) / ((y1 - y0) or 1) * (h - 2 * pad)
 
-    front = pareto(pts, lower_x_better)
+    front = pareto([p for p in pts if p[0] not in projected], lower_x_better)
     line = sorted((p for p in pts if p[0] in front), key=lambda p: p[1])
     poly = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for _, x, y in line)
     dots = "".join(
         (f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="9" fill="none" stroke="#bf8700" stroke-width="2"/>'
          if nm in front else "")
-        + f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{"#116329" if nm == "baseline" else "#0969da"}"/>'
-        f'<text x="{sx(x) + 11:.1f}" y="{sy(y) + 4:.1f}" font-size="12">{escape(nm)}</text>' for nm, x, y in pts)
+        + (f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="none" stroke="#0969da" stroke-dasharray="2 2"/>'
+           if nm in projected else
+           f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{"#116329" if nm == "baseline" else "#0969da"}"/>')
+        + f'<text x="{sx(x) + 11:.1f}" y="{sy(y) + 4:.1f}" font-size="12">{escape(nm)}</text>' for nm, x, y in pts)
     axes = (_axes(w, h, pad, xlabel, "accuracy (all suites)")
             + f'<text x="{pad}" y="{h - pad + 16}" font-size="11">{x0:.0f}</text>'
             f'<text x="{w - pad}" y="{h - pad + 16}" font-size="11" text-anchor="end">{x1:,.0f}</text>'
@@ -100,41 +104,47 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]]) -> str:
     return _figure(w, h, title, axes + lines, escape(title))
 
 
-def _points(run: Run, x_of) -> list[Point]:
-    """(variant, x, overall accuracy) for each variant with both; accuracy is QualityResult.overall_accuracy()."""
-    pts = []
+def _points(run: Run, x_of) -> tuple[list[Point], set[str]]:
+    """(variant, x, overall accuracy) for each variant with both, and the names whose x is projected
+    rather than measured; accuracy is QualityResult.overall_accuracy()."""
+    pts, projected = [], set()
     for name, v in run.variants.items():
-        x = x_of(v)
+        x, is_projected = x_of(v)
         acc = v.quality.overall_accuracy() if v.quality else None
         if x is not None and acc is not None:
-            pts.append((name, float(x), acc))
-    return pts
+            label = f"{name} (projected)" if is_projected else name
+            pts.append((label, float(x), acc))
+            if is_projected:
+                projected.add(label)
+    return pts, projected
 
 
-def _checkpoint_mib(v: Variant) -> float | None:
+def _loaded_mib(v: Variant) -> tuple[float | None, bool]:
+    b, projected = memory_as_loaded(v)
+    return (in_mib(b) if b else None), projected
+
+
+def _tpot_p99(v: Variant) -> tuple[float | None, bool]:
     s = v.systems
-    return in_mib(s.checkpoint_bytes) if s and s.checkpoint_bytes else None
+    return (s.latency.tpot_ms.p99 if s and s.latency else None), False
 
 
-def _tpot_p99(v: Variant) -> float | None:
-    s = v.systems
-    return s.latency.tpot_ms.p99 if s and s.latency else None
-
-
-def _kv_tokens(v: Variant) -> int | None:
-    s = v.systems
-    return s.kv.tokens if s and s.kv else None
+def _capacity(v: Variant) -> tuple[float | None, bool]:
+    n, how = requests_that_fit(v)
+    return n, how == "projected"
 
 
 def chart_section(run: Run) -> str:
-    """Trade-offs: overall accuracy against checkpoint size, p99 TPOT and KV capacity."""
-    charts = [scatter("Quality vs weight size", "checkpoint size (MiB)", _points(run, _checkpoint_mib), True),
-              scatter("Quality vs p99 TPOT", "p99 TPOT (ms)", _points(run, _tpot_p99), True),
-              scatter("Quality vs KV capacity", "KV-cache capacity (tokens)", _points(run, _kv_tokens), False)]
+    """Trade-offs: overall accuracy against memory as loaded, p99 TPOT and capacity (requests that fit)."""
+    charts = [scatter("Quality vs memory as loaded", "weights + KV pool (MiB)", *_points(run, _loaded_mib), True),
+              scatter("Quality vs p99 TPOT", "p99 TPOT (ms)", *_points(run, _tpot_p99), True),
+              scatter("Quality vs capacity", "concurrent requests of the workload's shape",
+                      *_points(run, _capacity), False)]
     charts = [c for c in charts if c]
     if not charts:
         return ""
     missing = [n for n, v in run.variants.items() if not (v.systems and v.systems.latency)]
-    note = (f"<p class='small muted'>Not on the latency/capacity charts (not measured): "
-            f"{escape(', '.join(missing))}.</p>") if missing else ""
+    note = (f"<p class='small muted'>Not on the latency chart (not measured): {escape(', '.join(missing))}. "
+            "Hollow points are projected (no native kernel here), never on the Pareto front; checkpoint sizes "
+            "are in the capacity table.</p>") if missing else ""
     return "<h2>Trade-offs</h2>" + "".join(charts) + note

@@ -19,6 +19,7 @@ from html import escape
 from pathlib import Path
 
 from pipeline.runstore import atomic_write_text, write_json
+from reports.capacity import capacity_section, plan_of, requests_that_fit, tradeoff_section
 from reports.charts import chart_section, pareto
 from reports.html import CSS
 from reports.provenance import provenance_section, schemes_section
@@ -59,7 +60,8 @@ def collect(run_dir: Path) -> dict:
 
 CSV_COLUMNS = ["variant", "verdict", "slice", "n", "base_acc", "var_acc", "delta", "delta_ci_low",
                "delta_ci_high", "flips_correct_to_wrong", "flips_wrong_to_correct", "mcnemar_p",
-               "checkpoint_bytes", "peak_memory_bytes", "kv_tokens", "ttft_p50_ms", "ttft_p99_ms",
+               "checkpoint_bytes", "peak_memory_bytes", "kv_tokens", "kv_pool_bytes", "requests_that_fit",
+               "requests_that_fit_source", "ttft_p50_ms", "ttft_p99_ms",
                "tpot_p50_ms", "tpot_p99_ms", "output_tok_per_s"]
 
 
@@ -67,9 +69,13 @@ def _systems_columns(run: Run, name: str) -> dict:
     v = run.variants.get(name)
     s = v.systems if v else None
     lat = s.latency if s else None
+    plan = plan_of(v) if v else None
+    fits, how = requests_that_fit(v) if v else (None, "")
     return {"checkpoint_bytes": s.checkpoint_bytes if s else None,
             "peak_memory_bytes": s.peak_memory_bytes if s else None,
             "kv_tokens": s.kv.tokens if s and s.kv else None,
+            "kv_pool_bytes": plan.pool_bytes if plan else None,
+            "requests_that_fit": fits, "requests_that_fit_source": how or None,
             "ttft_p50_ms": lat.ttft_ms.p50 if lat else None, "ttft_p99_ms": lat.ttft_ms.p99 if lat else None,
             "tpot_p50_ms": lat.tpot_ms.p50 if lat else None, "tpot_p99_ms": lat.tpot_ms.p99 if lat else None,
             "output_tok_per_s": lat.output_tok_per_s if lat else None}
@@ -90,9 +96,9 @@ def to_csv(data: dict) -> str:
 
 def _body(run: Run) -> str:
     """The sections, in reading order: verdict first, provenance last."""
-    return (verdict_section(run) + schemes_section(run) + gates_section(run) + quality_section(run)
-            + heatmap_section(run) + drift_section(run) + chart_section(run)
-            + memory_section(run) + admission_section(run) + latency_section(run) + roofline_section(run)
+    return (verdict_section(run) + tradeoff_section(run) + schemes_section(run) + gates_section(run)
+            + quality_section(run) + heatmap_section(run) + drift_section(run) + chart_section(run)
+            + capacity_section(run) + memory_section(run) + admission_section(run) + latency_section(run) + roofline_section(run)
             + matrix_section(run) + flips_section(run) + provenance_section(run))
 
 

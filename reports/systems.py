@@ -70,8 +70,9 @@ def admission_section(run: Run) -> str:
             ramp_rows += [_ramp_row(name, st) for st in s.kv.probe.steps]
     if not knee_rows:
         return ""
-    return ("<h3>Admission knee, measured</h3><p class='small muted'>A request shape filling whole KV "
-            "blocks, sized so the KV pool binds before max_num_seqs where max_model_len allows. Concurrency "
+    return ("<h3>Admission knee, measured</h3><p class='small muted'>Requests of the workload's shape "
+            "(the same for every variant, so knees compare; the note says whether the KV pool or max_num_seqs "
+            "bound). Concurrency "
             "is ramped (1, 2, 4, … below the prediction, then the prediction and one past it; bisected if "
             "requests queue sooner), each step a fresh batch sent at once while the engine's gauges "
             "(running, waiting, preemptions, KV usage) are polled every 0.05 s. A step <i>queued</i> when a "

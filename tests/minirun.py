@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.recipe import Recipe
-from pipeline.results import KVCapacity, Latency, Percentiles, QualityResult, SuiteQuality, SystemsResult
+from pipeline.results import BudgetPlan, KVCapacity, Latency, Percentiles, QualityResult, SuiteQuality, SystemsResult
 from pipeline.runstore import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,9 +42,18 @@ def write_variant(root: Path, name: str, correct: dict[str, list[int]], tpot: fl
     lat = Latency(ttft_ms=p(100.0), tpot_ms=p(tpot), itl_ms=p(tpot), e2e_ms=p(100 + 63 * tpot), completed=16,
                   failed=0, timed_out=0, output_tokens=1024, duration_s=10.0, output_tok_per_s=102.4,
                   request_per_s=1.6)
-    kv = KVCapacity(block_size=128, num_blocks=364, tokens=46592, max_concurrency=22.75,
-                    bytes_per_token_config=23040, pool_bytes_config=2**30, tokens_config=46592,
-                    admission_sequences=182)
+    # the same 4 GiB budget: smaller weights leave a bigger pool (pipeline/membudget.py)
+    weights = 538_000_000 if name == "baseline" else 150_000_000
+    pool = 4 * 2**30 - weights - int(2.9 * 2**30)
+    per_block = 23040 * 128
+    blocks = pool // per_block
+    plan = BudgetPlan(mode="budget", budget_bytes=4 * 2**30, weights_bytes=weights, engine_weights_bytes=weights,
+                      reserve_bytes=int(2.9 * 2**30), reserve_source="measured (fixture)", pool_bytes=pool,
+                      kv_bytes_per_block=per_block, block_size=128, tokens=blocks * 128, engine_tokens=blocks * 128,
+                      admitted=(blocks - 1) // 3, peak_bytes=3 * 2**30)
+    kv = KVCapacity(block_size=128, num_blocks=blocks, tokens=blocks * 128, max_concurrency=blocks / 16,
+                    bytes_per_token_config=23040, pool_bytes_config=pool, tokens_config=blocks * 128,
+                    admission_sequences=min(16, (blocks - 1) // 3), admission_kv_only=(blocks - 1) // 3, plan=plan)
     write_json(vdir / "systems.json", SystemsResult(variant=name, input_hash="s", status="ok", duration_s=1.0,
                                                      checkpoint_bytes=ckpt, peak_memory_bytes=3 * 2**30,
                                                      kv=kv, latency=lat, workload={"prompt_tokens": 256}))

@@ -96,5 +96,5 @@ def test_verdict_capacity_and_noise_aware_latency(tmp_path, capsys):
     render_run(b)
     assert cli.main(["compare", str(a), str(b)]) == 1
     out = capsys.readouterr().out
-    assert "v4: KV tokens 46,592 -> 46,464 (-0.3%)  REGRESSION" in out
+    assert "v4: KV tokens 44,672 -> 44,544 (-0.3%)  REGRESSION" in out
     assert "v4: verdict WARN -> FAIL  REGRESSION" in out and "verdict: WARN -> FAIL  REGRESSION" in out

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from pipeline.engines.server import PER_PROCESS, WHOLE_DEVICE, MemorySampler, device_used_bytes
+from pipeline.engines.memory import PER_PROCESS, WHOLE_DEVICE, MemorySampler, device_used_bytes
 
 FAKE = """#!/usr/bin/env python3
 import os, sys

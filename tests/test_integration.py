@@ -32,7 +32,7 @@ def run(tmp_path_factory):
     compressed_tensors_checkpoint(model, tmp / "tiny-ct")  # and a compressed-tensors one, the third format
     recipe = {
         "schema_version": 1, "name": "tiny", "model": {"path": str(model)},
-        "engine": {"max_model_len": 512, "max_num_seqs": 8, "kv_cache_gib": 0.25},
+        "engine": {"max_model_len": 512, "max_num_seqs": 8, "memory_budget_gib": 4.0},
         "calibration": {"num_samples": 4, "max_seq_len": 64},
         "variants": [{"name": "awq", "scheme": "awq_w4a16", "group_size": 64},
                      {"name": "w8a8", "scheme": "w8a8_int8"},
@@ -48,6 +48,7 @@ def run(tmp_path_factory):
                      "matrix": [{"prompt_tokens": 32, "output_tokens": 8, "concurrency": 1},
                                 {"prompt_tokens": 64, "output_tokens": 8, "concurrency": 2, "prefix": "shared"}]},
         "gates": [{"metric": "checkpoint_bytes_ratio", "op": "<=", "threshold": 0.9},
+                  {"metric": "kv_tokens_ratio", "op": ">=", "threshold": 1.0, "severity": "warn"},
                   {"metric": "accuracy_delta", "op": ">=", "threshold": -1.0}],
         "runs_dir": str(tmp / "runs"),
     }
@@ -145,7 +146,7 @@ def test_every_kind_of_variant_end_to_end(run):
         s = load(run, "w8a8", "systems.json")
         assert s["status"] == "ok" and s["latency"]["completed"] == 2 * 4 and s["latency"]["failed"] == 0
         assert s["checkpoint_bytes"] == qz["checkpoint_bytes"] < base["checkpoint_bytes"]
-        assert s["kv"]["tokens"] == base["kv"]["tokens"]  # same pool bytes, same KV dtype
+        assert s["kv"]["tokens"] > base["kv"]["tokens"]  # one budget: smaller weights, a bigger pool
     imp = load(run, "imported", "quantize.json")
     assert imp["scheme"] == "import (gptq)" and imp["checkpoint_dir"] == str(run["tmp"] / "tiny-gptq")
     assert load(run, "imported", "support.json")["format"] == "wna16"
@@ -190,6 +191,37 @@ def test_kv_capacity_matches_engine_and_config(run):
     assert all(c["latency"]["completed"] == 8 and c["latency"]["output_tokens"] == 64 for c in cells)
     assert [c["admission_sequences"] for c in cells] == [8, 8]  # one block each; max_num_seqs binds
     assert "Workload matrix" in (run["dir"] / "report.html").read_text()
+
+
+def test_one_memory_budget_turns_smaller_weights_into_kv_tokens(run):
+    """Every engine gets budget - its weights as loaded - the run's one measured reserve: the engine's
+    KV tokens are the predicted ones, and W8A8's gain over the baseline is its weight saving in blocks."""
+    reserve = load(run, "reserve.json")
+    assert reserve["reserve_bytes"] > 0 and reserve["peak_bytes"] > reserve["weights_bytes"] + reserve["pool_bytes"]
+    base = load(run, "baseline", "systems.json")
+    b = base["kv"]["plan"]
+    assert b["mode"] == "budget" and b["budget_bytes"] == 4 * 2**30 and b["reserve_bytes"] == reserve["reserve_bytes"]
+    assert b["pool_bytes"] == b["budget_bytes"] - b["weights_bytes"] - b["reserve_bytes"]
+    assert b["engine_weights_bytes"] == b["weights_bytes"]  # the headers predict what the engine loaded
+    assert b["engine_tokens"] == b["tokens"] == base["kv"]["tokens"]  # predicted = the engine's own figure
+    assert b["peak_bytes"] and base["peak_memory_hwm_bytes"] >= base["peak_memory_bytes"]
+    if load(run, "w8a8", "support.json")["mode"] == "native":
+        s = load(run, "w8a8", "systems.json")
+        w = s["kv"]["plan"]
+        assert w["reserve_bytes"] == b["reserve_bytes"] and w["weights_bytes"] < b["weights_bytes"]
+        assert abs(w["engine_weights_bytes"] - w["weights_bytes"]) < 0.01 * w["weights_bytes"]
+        assert w["engine_tokens"] == w["tokens"] == s["kv"]["tokens"]
+        gain = (b["weights_bytes"] - w["weights_bytes"]) / b["kv_bytes_per_block"] * b["block_size"]
+        assert abs((s["kv"]["tokens"] - base["kv"]["tokens"]) - gain) <= b["block_size"]
+    awq = load(run, "awq", "systems.json")  # emulated here (AVX2 answers): projected, never measured
+    assert awq["status"] == "skipped" and awq["kv"]["tokens"] is None and awq["kv"]["plan"]["projected"]
+    assert awq["kv"]["plan"]["tokens"] > base["kv"]["tokens"]
+    gate = next(g for v in load(run, "signoff.json")["variants"] if v["variant"] == "awq" for g in v["gates"]
+                if g["metric"] == "kv_tokens_ratio")
+    assert gate["outcome"] == "N/A" and gate["measured"]["value"] is None and "projected" in gate["measured"]["caveat"]
+    html = (run["dir"] / "report.html").read_text()
+    assert "Capacity under one memory budget" in html and "The trade-off" in html
+    assert "fits <b>" in html and "projected</span>: fits" in html
 
 
 def test_quantized_checkpoint_really_differs(run):

@@ -121,6 +121,9 @@ def test_results_match_the_local_executor(runs):
     for name in ("baseline", "w8a8"):
         sa, sb = load(runs["local_dir"], name, "systems.json"), load(runs["ray_dir"], name, "systems.json")
         assert sa["kv"]["tokens"] == sb["kv"]["tokens"] and sa["latency"]["completed"] == sb["latency"]["completed"]
+        # a fixed pool (engine.kv_cache_gib): the same KV tokens whatever the weights, and the plan says so
+        assert sa["kv"]["plan"]["mode"] == "fixed" and sa["kv"]["plan"]["pool_bytes"] == 2**28
+        assert sa["kv"]["tokens"] == load(runs["local_dir"], "baseline", "systems.json")["kv"]["tokens"]
     va = {v["variant"]: v["verdict"] for v in load(runs["local_dir"], "signoff.json")["variants"]}
     vb = {v["variant"]: v["verdict"] for v in load(runs["ray_dir"], "signoff.json")["variants"]}
     assert va == vb

@@ -16,16 +16,15 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
 from pipeline import envs
+from pipeline.engines.memory import MemorySampler, device_used_bytes
 
 SERVED_NAME = "model"
 
@@ -42,11 +41,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_args(engine, dtype: str) -> list[str]:
-    """CLI arguments shared by every variant (the controlled part of the experiment)."""
+def engine_args(engine, dtype: str, kv_pool_bytes: int | None = None) -> list[str]:
+    """CLI arguments shared by every variant (the controlled part of the experiment), and the KV pool
+    this engine gets (pipeline/membudget.py sizes it; None: vLLM sizes it within gpu_memory_utilization)."""
     args = ["--max-model-len", str(engine.max_model_len), "--max-num-seqs", str(engine.max_num_seqs),
-            "--dtype", dtype, "--seed", str(engine.seed),
-            "--kv-cache-memory-bytes", str(int(engine.kv_cache_gib * 2**30))]
+            "--dtype", dtype, "--seed", str(engine.seed)]
+    if kv_pool_bytes is not None:
+        args += ["--kv-cache-memory-bytes", str(kv_pool_bytes)]
     if engine.enforce_eager:
         args.append("--enforce-eager")
     if engine.tensor_parallel_size > 1:
@@ -71,7 +72,7 @@ def engine_placement() -> dict[str, str]:
 
 def engine_env(engine) -> dict[str, str]:
     env = dict(os.environ)
-    # KV pool size comes from --kv-cache-memory-bytes on every platform; VLLM_CPU_KVCACHE_SPACE
+    # the KV pool comes from --kv-cache-memory-bytes (or vLLM's own sizing on GPUs); VLLM_CPU_KVCACHE_SPACE
     # (whole GiB only) is dropped so the two cannot disagree.
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.update(VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
@@ -79,105 +80,13 @@ def engine_env(engine) -> dict[str, str]:
     return env
 
 
-def _smi(*query: str) -> list[list[str]] | None:
-    """Rows of an nvidia-smi CSV query, or None if nvidia-smi could not answer."""
-    try:
-        out = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return [[x.strip() for x in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
-
-
-def device_used_bytes() -> int | None:
-    """Memory in use on the GPUs this process may use (CUDA_VISIBLE_DEVICES by index or UUID)."""
-    rows = _smi("--query-gpu=index,uuid,memory.used")
-    if rows is None:
-        return None
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    total = 0
-    for row in rows:
-        if len(row) == 3 and row[2].isdigit() and (not visible or row[0] in visible or row[1] in visible):
-            total += int(row[2]) * 2**20
-    return total
-
-
-PER_PROCESS = "per process: nvidia-smi compute apps of the engine's process tree"
-WHOLE_DEVICE = ("whole GPU in use minus before the engine started (the engine's PIDs are not visible to "
-                "nvidia-smi, e.g. in a container): approximate, other processes on the GPU count too")
-
-
-@dataclass
-class MemorySampler:
-    """Peak RSS summed over the engine's process tree, sampled every `interval` s; on GPU also the
-    peak device memory of that tree, once a second."""
-
-    root_pid: int
-    interval: float = 0.25
-    peak_tree_rss: int = 0
-    peak_device: int = 0  # GPU: device memory of the tree's processes (nvidia-smi), else 0
-    device_source: str | None = None  # how peak_device was attributed: PER_PROCESS or WHOLE_DEVICE
-    device_before: int | None = None  # GPU memory in use before the engine started (WHOLE_DEVICE)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _gpu: bool = field(default_factory=lambda: envs.has_nvidia_gpu())
-    _ticks: int = 0
-
-    def _device_bytes(self, pids: set[int]) -> tuple[int, str | None]:
-        """Device memory of these processes (MiB resolution) and how it was attributed. When
-        nvidia-smi lists none of these PIDs with a figure (a container's PID namespace can list
-        other PIDs or none; MIG and some containers say "[N/A]"), the whole device's use above
-        what it was before the engine started."""
-        apps = _smi("--query-compute-apps=pid,used_memory")
-        if apps is None:
-            return 0, None
-        mine = [int(r[1]) * 2**20 for r in apps
-                if len(r) == 2 and r[0].isdigit() and int(r[0]) in pids and r[1].isdigit()]
-        if mine:
-            return sum(mine), PER_PROCESS
-        if self.device_before is not None:  # PIDs not ours or not listed at all, or memory "[N/A]"
-            used = device_used_bytes()
-            if used is not None:
-                return max(0, used - self.device_before), WHOLE_DEVICE
-        return 0, None
-
-    def _sample(self) -> None:
-        try:
-            root = psutil.Process(self.root_pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return
-        total = 0
-        for p in procs[1:]:  # the root is the guard; the engine is everything below it
-            try:
-                total += p.memory_info().rss
-            except (psutil.NoSuchProcess, OSError):
-                continue
-        self.peak_tree_rss = max(self.peak_tree_rss, total)
-        self._ticks += 1
-        if self._gpu and self._ticks % 4 == 1:  # once a second: nvidia-smi itself takes ~50 ms
-            used, source = self._device_bytes({p.pid for p in procs})
-            if used > self.peak_device:
-                self.peak_device, self.device_source = used, source
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._sample()
-
-    def start(self) -> MemorySampler:
-        threading.Thread(target=self._loop, daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        self._sample()
-        self._stop.set()
-
-
 class Server:
     def __init__(self, model_dir: Path, engine, dtype: str, log_path: Path, trust_remote_code: bool,
-                 extra_args: list[str] | None = None):
+                 extra_args: list[str] | None = None, kv_pool_bytes: int | None = None):
         self.model_dir, self.engine, self.dtype = model_dir, engine, dtype
+        if kv_pool_bytes is None and engine.kv_cache_gib is not None:  # a fixed pool
+            kv_pool_bytes = int(engine.kv_cache_gib * 2**30)
+        self.kv_pool_bytes = kv_pool_bytes
         self.extra_args = list(extra_args or [])
         self.log_path, self.trust_remote_code = log_path, trust_remote_code
         self.port = free_port()
@@ -195,7 +104,7 @@ class Server:
                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
                "--host", "127.0.0.1", "--port", str(self.port), "--disable-uvicorn-access-log",
-               *engine_args(self.engine, self.dtype), *self.extra_args]
+               *engine_args(self.engine, self.dtype, self.kv_pool_bytes), *self.extra_args]
         if self.trust_remote_code:
             cmd.append("--trust-remote-code")
         return cmd

@@ -129,14 +129,20 @@ def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_bloc
 
 
 def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity, timeout: float,
-                    poll_s: float = 0.05, label: str = "") -> AdmissionProbe | None:
-    """The admission knee, measured by a concurrency ramp (find_knee) of one request shape
-    (probe_shape); every step is a fresh batch of distinct prompts sent at once (ramp_step). An
-    error mid-ramp ends it; the steps measured so far are kept and the note says why."""
+                    poll_s: float = 0.05, label: str = "", shape: tuple[int, int] | None = None) -> AdmissionProbe | None:
+    """The admission knee, measured by a concurrency ramp (find_knee) of one request shape: `shape`
+    (prompt, output tokens; the run passes its workload's, so every variant's knee is of the same
+    requests), else one that fills the pool before max_num_seqs (probe_shape). Every step is a fresh
+    batch of distinct prompts sent at once (ramp_step). An error mid-ramp ends it; the steps measured
+    so far are kept and the note says why."""
     if not (kv.num_blocks and kv.block_size):
         return None
     block, usable = kv.block_size, kv.num_blocks - 1  # vLLM's block pool keeps one as its null block
-    bps, prompt, output = probe_shape(usable, block, engine.max_num_seqs, engine.max_model_len)
+    if shape:
+        prompt, output = shape
+        bps = -(-(prompt + output) // block)
+    else:
+        bps, prompt, output = probe_shape(usable, block, engine.max_num_seqs, engine.max_model_len)
     prompt_blocks = -(-prompt // block)
     kv_only = admitted(kv.num_blocks, block, bps * block)
     if kv_only < 1:

@@ -29,13 +29,14 @@ def logprob_args(recipe) -> list[str]:
 def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
              need_quality: str | None, need_systems: str | None, tasks_dir: Path,
              log=print, extra_args: list[str] | None = None,
-             spent=None) -> tuple[QualityResult | None, SystemsResult | None]:
+             spent=None, plan=None) -> tuple[QualityResult | None, SystemsResult | None]:
     """Start one engine; run whichever of quality/systems are missing (their input hashes).
-    `spent` (an outcome.Spent) is charged the engine start and the engine's busy seconds."""
+    `spent` (an outcome.Spent) is charged the engine start and the engine's busy seconds; `plan`
+    (a results.BudgetPlan) is the KV pool it is started with."""
     extra_args = list(extra_args or []) + logprob_args(recipe)
     with one_measuring_engine_per_host(bool(need_systems), log):
         return _evaluate(model_dir, recipe, variant, vdir, dtype, need_quality, need_systems, tasks_dir, log,
-                         extra_args, spent)
+                         extra_args, spent, plan)
 
 
 @contextlib.contextmanager
@@ -58,11 +59,12 @@ def one_measuring_engine_per_host(measuring: bool, log):
 
 
 def _evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str, need_quality: str | None,
-              need_systems: str | None, tasks_dir: Path, log, extra_args: list[str], spent):
+              need_systems: str | None, tasks_dir: Path, log, extra_args: list[str], spent, plan):
     q = s = None
     act_bytes = 4 if dtype == "float32" else 2
     kv_bytes = 1 if "fp8" in extra_args else act_bytes  # --kv-cache-dtype fp8
-    server = Server(model_dir, recipe.engine, dtype, vdir / "engine.log", recipe.model.trust_remote_code, extra_args)
+    server = Server(model_dir, recipe.engine, dtype, vdir / "engine.log", recipe.model.trust_remote_code, extra_args,
+                    kv_pool_bytes=plan.pool_bytes if plan is not None else None)
     if spent is not None:
         spent.engine_starts += 1  # counted whether it then serves or fails
     try:
@@ -75,10 +77,12 @@ def _evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str, nee
             if need_systems:
                 probe = admission.admission_probe if recipe.workload.admission_probe else None
                 s = systems.run_systems(server, model_dir, recipe, variant, need_systems, kv_bytes, act_bytes, log,
-                                        probe=probe)
+                                        probe=probe, plan=plan)
             server.stop()
             if s is not None:
                 systems.record_memory(s, server.memory)
+                systems.verify_plan(s, model_dir, recipe.engine, kv_bytes,
+                                    recipe.workload.prompt_tokens + recipe.workload.output_tokens)
                 write_json(vdir / "systems.json", s)
                 log("systems: " + systems.summary(s))
     finally:

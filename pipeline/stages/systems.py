@@ -14,7 +14,7 @@ import socket
 import time
 from pathlib import Path
 
-from pipeline import capacity, modelcfg, stats
+from pipeline import capacity, membudget, modelcfg, stats
 from pipeline.engines import loadgen
 from pipeline.engines.server import SERVED_NAME, Server
 from pipeline.progress import Progress
@@ -23,31 +23,45 @@ from pipeline.results import CellResult, KVCapacity, Latency, Roofline, SystemsR
 from pipeline.runstore import weight_bytes
 
 
-def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, workload) -> KVCapacity:
-    """KV capacity as the engine reports it (blocks x block size) beside the config arithmetic,
-    and the sequences of the workload's shape it admits at once."""
-    per_token = capacity.kv_bytes_per_token(modelcfg.read(model_dir), kv_bytes_per_elem)
+def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, workload, plan=None) -> KVCapacity:
+    """KV capacity as the engine reports it (blocks x block size) beside the config arithmetic
+    (pipeline/capacity.py, cut as vLLM cuts the pool), and the sequences of the workload's shape it
+    admits at once; `plan` is how the pool was sized (pipeline/membudget.py)."""
+    cfg = modelcfg.read(model_dir)
+    tp = engine.tensor_parallel_size
+    per_token = capacity.kv_bytes_per_token(cfg, kv_bytes_per_elem, tp)
     block = int(cache.get("block_size") or 0) or None
     blocks = int(cache["num_gpu_blocks"]) if cache.get("num_gpu_blocks") not in (None, "None") else None
-    pool = int(engine.kv_cache_gib * 2**30)
-    tokens_cfg = None
-    if block:
-        tokens_cfg = (pool // per_token) // block * block
+    pool = plan.pool_bytes if plan is not None and plan.pool_bytes is not None else (
+        int(engine.kv_cache_gib * 2**30) if engine.kv_cache_gib is not None else None)
+    lay = capacity.layout(cfg, kv_bytes_per_elem, block=block or 16, tp=tp)
+    tokens_cfg = lay.tokens(pool) if block and pool is not None else None
     seq_len = workload.prompt_tokens + workload.output_tokens
     tokens = blocks * block if blocks and block else None
     admission = kv_only = None
     if blocks and block:
-        kv_only = capacity.admitted(blocks, block, seq_len)
+        kv_only = capacity.admitted_blocks(blocks, lay.blocks_per_request(seq_len))
         admission = min(kv_only, engine.max_num_seqs)
     mc = cache.get("kv_cache_max_concurrency")
     return KVCapacity(block_size=block, num_blocks=blocks, tokens=tokens,
                       max_concurrency=float(mc) if mc not in (None, "None") else None,
                       bytes_per_token_config=per_token, pool_bytes_config=pool,
-                      tokens_config=tokens_cfg, admission_sequences=admission, admission_kv_only=kv_only)
+                      tokens_config=tokens_cfg, admission_sequences=admission, admission_kv_only=kv_only,
+                      plan=plan.model_copy() if plan is not None else None)
+
+
+def verify_plan(s: SystemsResult, model_dir: Path, engine, kv_bytes_per_elem: int, seq_len: int) -> None:
+    """The pool plan beside what the engine did: its KV tokens, the weights it loaded, its peak memory."""
+    if s.kv is None or s.kv.plan is None:
+        return
+    membudget.verify(s.kv.plan, modelcfg.read(model_dir), kv_bytes_per_elem, engine.tensor_parallel_size,
+                     s.kv.block_size, s.kv.tokens, (s.weight_memory or {}).get("parameters"),
+                     s.peak_memory_hwm_bytes or s.peak_memory_bytes,
+                     seq_len)
 
 
 def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_hash: str,
-                kv_bytes_per_elem: int, act_bytes: int, log=print, probe=None) -> SystemsResult:
+                kv_bytes_per_elem: int, act_bytes: int, log=print, probe=None, plan=None) -> SystemsResult:
     """Warm-up, the primary cell, the matrix cells, KV capacity, then `probe` (the admission ramp,
     stages/admission.admission_probe, when the recipe asks for it) on the same prompt stream."""
     from transformers import AutoTokenizer
@@ -63,7 +77,7 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
     latency = measure_cell(server, stream, w, w.prompt_tokens, w.output_tokens, w.concurrency, "unique", variant)
     cells = [CellResult(cell=c.model_dump(), latency=Latency(**measure_cell(
         server, stream, w, c.prompt_tokens, c.output_tokens, c.concurrency, c.prefix, variant))) for c in w.matrix]
-    kv = kv_capacity(server.cache_config(), model_dir, recipe.engine, kv_bytes_per_elem, w)
+    kv = kv_capacity(server.cache_config(), model_dir, recipe.engine, kv_bytes_per_elem, w, plan)
     if kv.num_blocks and kv.block_size:  # admission for every shape of the matrix, too
         for c in cells:
             c.admission_sequences = capacity.admitted(kv.num_blocks, kv.block_size,
@@ -71,7 +85,8 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
                                                       recipe.engine.max_num_seqs)
     if probe is not None:
         try:
-            kv.probe = probe(server, stream, recipe.engine, kv, w.request_timeout_s, label=variant)
+            kv.probe = probe(server, stream, recipe.engine, kv, w.request_timeout_s, label=variant,
+                             shape=(w.prompt_tokens, w.output_tokens))
         except (OSError, ValueError) as exc:  # an optional probe must not cost the measured cells
             log(f"admission probe failed: {type(exc).__name__}: {exc}")
     error = None
@@ -100,6 +115,7 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
 def record_memory(s: SystemsResult, memory) -> None:
     """Peak memory of the engine's process tree (and device), sampled until the engine stopped."""
     s.peak_memory_bytes = memory.peak_tree_rss
+    s.peak_memory_hwm_bytes = memory.peak_tree_hwm or None
     s.device_memory_peak_bytes = memory.peak_device or None
     s.device_memory_source = memory.device_source
 

@@ -1,0 +1,151 @@
+"""The runtime reserve: what an engine holds besides its weights and its KV pool, measured once per run.
+
+A budget run (pipeline/membudget.py) starts each engine with budget - weights - reserve as its KV
+pool. The reserve (interpreter, vLLM, the API server, activations, logits) must be one measured
+figure for every variant, never a guess. One probe engine of the base model is started with a small
+pool, driven as hard as the run will drive it (long prompts scored with prompt log-probabilities, as
+the quality suites do, and a decode batch of the workload's shape), and its process tree's peak RSS
+sampled: reserve = peak - parameters the engine reported loading - pool.
+
+The figure is written to the run folder (every variant of the run, on any Ray node, reads that one)
+and to the result cache under its key (the base model, engine settings but the pool, dtype, engine
+environment, hardware, workload shape, and this code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import socket
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from pipeline import capacity, envs, modelcfg, outcome, provenance
+from pipeline.engines import loadgen
+from pipeline.engines.server import SERVED_NAME, Server
+from pipeline.keys import source_hash
+from pipeline.outcome import Spent
+from pipeline.prompts import PromptStream
+from pipeline.runstore import hash_obj, write_json
+
+RESERVE_KEY_VERSION = 1
+POOL_FIELDS = {"memory_budget_gib", "kv_cache_gib", "gpu_memory_utilization", "startup_timeout_s"}
+
+
+def reserve_key(recipe, model_hash: str, dtype: str) -> str:
+    w = recipe.workload
+    return hash_obj({
+        "version": RESERVE_KEY_VERSION, "model": model_hash, "dtype": dtype,
+        "engine": recipe.engine.model_dump(exclude=POOL_FIELDS),
+        "drift_top_k": recipe.quality.drift.top_k if "drift" in recipe.quality.suites else None,
+        "shape": [w.prompt_tokens, w.output_tokens, max([w.concurrency, *(c.concurrency for c in w.matrix)])],
+        "engine_env": envs.requirements_file("engine").read_text(), "hardware": provenance.hardware(),
+        "code": source_hash(Path(__file__)),
+    })
+
+
+def _cached(path: Path, key: str) -> dict | None:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return d if d.get("key") == key else None
+
+
+def cached_reserve(recipe, model_dir: Path, dtype: str) -> dict | None:
+    """The reserve this host measured before for this model and these settings, if any (validate)."""
+    model_hash = hash_obj(provenance.model_hashes(model_dir))
+    return _cached(envs.home() / "results" / "reserve" / f"{reserve_key(recipe, model_hash, dtype)}.json",
+                   reserve_key(recipe, model_hash, dtype))
+
+
+def reserve_for(recipe, run_root: Path, model_dir: Path, model_hash: str, dtype: str, log=print) -> dict:
+    """The run's reserve: from its folder, else the result cache, else measured now (one process at a
+    time: a lock in the run folder, which every Ray node shares)."""
+    key = reserve_key(recipe, model_hash, dtype)
+    here = run_root / "reserve.json"
+    cached = envs.home() / "results" / "reserve" / f"{key}.json"
+    if (d := _cached(here, key)) is not None:
+        return d
+    run_root.mkdir(parents=True, exist_ok=True)
+    with open(run_root / "reserve.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (d := _cached(here, key)) is not None:
+            return d
+        if (d := _cached(cached, key)) is not None:
+            log(f"runtime reserve: {d['reserve_bytes'] / 2**30:.2f} GiB, measured earlier ({d['measured_at']})")
+        else:
+            log("runtime reserve: measuring with a probe engine (once per model, engine settings and host)")
+            t0, t_perf = time.time(), time.perf_counter()
+            try:
+                d = {"key": key, **measure(recipe, model_dir, dtype, run_root / "reserve-engine.log")}
+            finally:  # the probe engine counts in the run's engine starts and busy seconds
+                outcome.record(run_root, "baseline", "reserve", t0, Spent(1, time.perf_counter() - t_perf))
+            with contextlib.suppress(OSError):
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                write_json(cached, d)
+            log(f"runtime reserve: {d['reserve_bytes'] / 2**30:.2f} GiB (peak {d['peak_bytes'] / 2**30:.2f} GiB "
+                f"- weights {d['weights_bytes'] / 2**30:.2f} - pool {d['pool_bytes'] / 2**30:.2f})")
+        write_json(here, d)
+        return d
+
+
+def probe_pool(recipe, cfg: dict, kv_elem_bytes: int) -> int:
+    """A pool for two max_model_len sequences plus a decode batch of the workload's shape."""
+    e, w = recipe.engine, recipe.workload
+    lay = capacity.layout(cfg, kv_elem_bytes, tp=e.tensor_parallel_size)
+    conc = min(e.max_num_seqs, max([w.concurrency, *(c.concurrency for c in w.matrix)]))
+    return lay.pool_for(e.max_model_len, 2) + lay.pool_for(w.prompt_tokens + w.output_tokens, conc)
+
+
+def _scored(port: int, prompt: list[int], top_k: int, timeout: float) -> None:
+    """One prompt scored as the quality suites score them: every prompt token's log-probability."""
+    body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, "echo": True,
+                       "logprobs": top_k, "temperature": 0.0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        r.read()
+
+
+def drive(server: Server, recipe, model_dir: Path) -> None:
+    """The heaviest load the run puts on an engine: long scored prompts, then a decode batch."""
+    from transformers import AutoTokenizer
+
+    e, w = recipe.engine, recipe.workload
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
+    stream = PromptStream(tok)
+    top_k = recipe.quality.drift.top_k if "drift" in recipe.quality.suites else 1
+    long = stream.take(2, e.max_model_len - 8)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda p: _scored(server.port, p, top_k, w.request_timeout_s * 4), long))
+    conc = min(e.max_num_seqs, max([w.concurrency, *(c.concurrency for c in w.matrix)]))
+    batch = stream.take(conc, w.prompt_tokens)
+    loadgen.run_closed_loop(server.port, SERVED_NAME, batch, w.output_tokens, conc, w.request_timeout_s)
+
+
+def measure(recipe, model_dir: Path, dtype: str, log_path: Path) -> dict:
+    """Start the probe engine, drive it, and take the reserve from its peak memory."""
+    act = 4 if dtype == "float32" else 2
+    pool = probe_pool(recipe, modelcfg.read(model_dir), act)
+    extra = ["--max-logprobs", str(recipe.quality.drift.top_k)] if recipe.quality.drift.top_k > 20 else []
+    server = Server(model_dir, recipe.engine, dtype, log_path, recipe.model.trust_remote_code, extra,
+                    kv_pool_bytes=pool)
+    with server, server.blamed_for_errors():
+        drive(server, recipe, model_dir)
+        time.sleep(0.5)  # one more memory sample after the last request
+        server.stop()
+    loaded = server.loaded_weights()
+    if not loaded:
+        raise RuntimeError(f"the probe engine did not report its loaded weights (log: {log_path}); "
+                           "set engine.kv_cache_gib to run with a fixed pool instead")
+    peak = server.memory.peak_tree_hwm or server.memory.peak_tree_rss
+    return {"reserve_bytes": peak - loaded["parameters"] - pool, "peak_bytes": peak,
+            "weights_bytes": loaded["parameters"], "pool_bytes": pool, "host": socket.gethostname(),
+            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "source": f"measured on {socket.gethostname()}: peak resident memory (kernel high-water mark) of a "
+                      f"probe engine of the base model (pool {pool / 2**20:.0f} MiB, long scored prompts + a decode "
+                      "batch) - its weights - its pool"}
