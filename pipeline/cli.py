@@ -94,6 +94,12 @@ def cmd_report(args) -> int:
     return 0
 
 
+def _model_dir(recipe) -> Path:
+    from pipeline import assets
+
+    return assets.builtin_model_dir(recipe.model.builtin) if recipe.model.builtin else Path(recipe.model.path).resolve()
+
+
 def cmd_validate(args, recipe) -> int:
     from pipeline import preflight
 
@@ -105,6 +111,9 @@ def cmd_validate(args, recipe) -> int:
           + (f"; {pending}" if pending else ""))
     for line in preflight.power_statements(recipe):
         print("  power: " + line)
+    memory = None if pending else preflight.budget_statement(recipe, _model_dir(recipe))
+    if memory:
+        print("  memory: " + memory)
     if args.support:
         from pipeline import runner
 

@@ -49,30 +49,61 @@ def check_model_limits(recipe: Recipe, recipe_path: Path, model_dir: Path) -> No
                                  f"model's {k} = {d}; pick a divisor (e.g. {_divisor(d)}) or null for per-channel")
 
 
-def check_budget(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
-    """A memory budget that cannot hold the base model's weights as loaded, the runtime reserve (when
-    this host measured it before; the first run measures it) and one max_model_len sequence."""
+def _base_plan(recipe: Recipe, model_dir: Path):
+    """The base model's pool plan under the recipe's budget, with the reserve this host measured before
+    (or none yet); None when not in budget mode or the config lacks the attention shapes."""
     from pipeline import membudget, provenance
     from pipeline.stages import reserve as reserve_stage
 
     if membudget.mode(recipe.engine, envs.has_nvidia_gpu()) != "budget":
-        return
+        return None, None
     dtype = provenance.resolve_dtype(recipe.engine.dtype)
     act = 4 if dtype == "float32" else 2
     cfg = modelcfg.read(model_dir)
     known = reserve_stage.cached_reserve(recipe, model_dir, dtype)
-    reserve = known or {"reserve_bytes": 0, "source": "not measured yet"}
+    w = recipe.workload
     try:
-        p = membudget.plan(recipe.engine, cfg, model_dir, act, act, False, reserve)
+        p = membudget.plan(recipe.engine, cfg, model_dir, act, act, False,
+                           known or {"reserve_bytes": 0, "source": "not measured yet"},
+                           seq_len=w.prompt_tokens + w.output_tokens)
     except KeyError:  # a config without the attention shapes: the engine's start will say what is wrong
-        return
-    except ValueError as exc:
-        raise PreflightError(f"{recipe_path}: engine.memory_budget_gib: {exc}") from None
+        return None, None
+    return (p, cfg, act), known
+
+
+def check_budget(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
+    """A memory budget that cannot hold the base model's weights as loaded, the runtime reserve (when
+    this host measured it before; the first run measures it) and one max_model_len sequence."""
+    from pipeline import membudget
+
     try:
-        membudget.check_fits(p, cfg, recipe.engine, act, "the base model" + ("" if known else
-                             " (before the runtime reserve, which the first run measures)"))
+        planned, known = _base_plan(recipe, model_dir)
+        if planned is None:
+            return
+        p, cfg, act = planned
+        membudget.check_fits(p, cfg, recipe.engine, act, "the base model" + (
+            "" if known else " (before the runtime reserve, which the first run measures)"))
     except ValueError as exc:
         raise PreflightError(f"{recipe_path}: {exc}") from None
+
+
+def budget_statement(recipe: Recipe, model_dir: Path) -> str | None:
+    """What the budget leaves the base model, in one line (validate)."""
+    try:
+        planned, known = _base_plan(recipe, model_dir)
+    except ValueError:
+        return None
+    if planned is None:
+        return None
+    p = planned[0]
+    w = recipe.workload
+    if not known:
+        return (f"budget {recipe.engine.budget_gib:g} GiB: base weights {p.weights_bytes / 2**30:.2f} GiB as loaded; "
+                "the runtime reserve is measured on the first run, then the KV pool is what is left")
+    return (f"budget {recipe.engine.budget_gib:g} GiB: base weights {p.weights_bytes / 2**30:.2f} GiB as loaded + "
+            f"runtime reserve {p.reserve_bytes / 2**30:.2f} GiB (measured {known['measured_at']}) leave a "
+            f"{p.pool_bytes / 2**30:.2f} GiB KV pool: {p.tokens:,} tokens, {p.admitted} requests of "
+            f"{w.prompt_tokens}+{w.output_tokens} tokens")
 
 
 def check_disk(recipe: Recipe, model_dir: Path) -> None:

@@ -138,3 +138,27 @@ def test_one_pool_rule_in_the_recipe(tmp_path):
     p.write_text(yaml.safe_dump(d))
     with pytest.raises(RecipeError, match="admission_ratio needs workload.admission_probe: true"):
         load(p)
+
+
+def test_validate_states_what_the_budget_leaves_once_the_reserve_is_known(tmp_path, monkeypatch):
+    from pipeline import preflight, provenance
+    from pipeline.runstore import hash_obj, write_json
+    from pipeline.stages import reserve
+
+    monkeypatch.setenv("QUANTIZE_EVAL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("QUANTIZE_EVAL_DEVICE", "cpu")
+    model = checkpoint(tmp_path / "model", False)
+    (model / "tokenizer.json").write_text("{}")
+    d = yaml.safe_load((ROOT / "recipes" / "awq.yaml").read_text())
+    d["model"] = {"path": str(model)}
+    d["engine"].update(max_model_len=512, memory_budget_gib=1.0, dtype="float32")
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(d))
+    r = load(p)
+    assert "the runtime reserve is measured on the first run" in preflight.budget_statement(r, model)
+    key = reserve.reserve_key(r, hash_obj(provenance.model_hashes(model)), "float32")
+    write_json(tmp_path / "home" / "results" / "reserve" / f"{key}.json",
+               {"key": key, **RESERVE, "measured_at": "2026-12-01 00:00:00"})
+    line = preflight.budget_statement(r, model)
+    plan = membudget.plan(r.engine, CFG, model, 4, 4, False, RESERVE, seq_len=320)
+    assert f"leave a {plan.pool_bytes / 2**30:.2f} GiB KV pool: {plan.tokens:,} tokens, {plan.admitted} requests" in line
