@@ -1,6 +1,7 @@
 """Capacity under one memory budget: what W8A8 (and an FP8 KV cache) free, as KV tokens and requests.
 
     python3 benchmarks/capacity.py [RUN_DIR]      (default: run recipes/capacity.yaml now, then read it)
+    python3 benchmarks/capacity.py --reserve N    (measure the runtime reserve N times: its median and spread)
 
 Prints, per variant, the pool plan (budget, weights predicted / as the engine loaded them, the run's
 one reserve, the pool), KV tokens by the arithmetic and as the engine reported them, requests of the
@@ -12,6 +13,7 @@ predicted vs engine KV pool within one block, and the W8A8 / baseline token rati
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +30,36 @@ def run_recipe() -> Path:
     return sorted(set((ROOT / "runs").glob("capacity-*")) - before)[-1]
 
 
+def reserve_spread(n: int) -> None:
+    """The reserve is a measurement: how much it moves between probe engines sets how much a pool can."""
+    import statistics
+    import tempfile
+
+    sys.path.insert(0, str(ROOT))
+    from pipeline import envs, runner
+    from pipeline.recipe import load
+    from pipeline.stages import reserve
+
+    python = str(envs.ensure("engine"))
+    if sys.executable != python:  # the probe runs vLLM: re-run this under the engine environment
+        sys.exit(subprocess.run([python, __file__, "--reserve", str(n)],
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode)
+    r = load(ROOT / "recipes" / "capacity.yaml")
+    runner.prepare_environment()
+    ctx = runner.context(r, Path(tempfile.mkdtemp()))
+    got = []
+    for i in range(n):
+        d = reserve.measure(r, ctx.model_dir, ctx.dtype, Path(tempfile.mkdtemp()) / "engine.log")
+        got.append(d["reserve_bytes"] / GIB)
+        print(f"reserve {i + 1}: {got[-1]:.3f} GiB (peak {d['peak_bytes'] / GIB:.3f}, weights "
+              f"{d['weights_bytes'] / GIB:.3f}, pool {d['pool_bytes'] / GIB:.3f})", flush=True)
+    print(f"reserve over {n}: median {statistics.median(got):.3f} GiB, spread {max(got) - min(got):.3f} GiB")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--reserve"]:
+        reserve_spread(int(sys.argv[2]))
+        return
     run = Path(sys.argv[1]) if len(sys.argv) > 1 else run_recipe()
     data = json.loads((run / "results.json").read_text())
     print(f"run: {run}\nhost: {data['manifest'].get('hardware', {}).get('cpu', '?')}")

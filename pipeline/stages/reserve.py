@@ -41,7 +41,7 @@ def reserve_key(recipe, model_hash: str, dtype: str) -> str:
         "version": RESERVE_KEY_VERSION, "model": model_hash, "dtype": dtype,
         "engine": recipe.engine.model_dump(exclude=POOL_FIELDS),
         "drift_top_k": recipe.quality.drift.top_k if "drift" in recipe.quality.suites else None,
-        "shape": [w.prompt_tokens, w.output_tokens, max([w.concurrency, *(c.concurrency for c in w.matrix)])],
+        "shape": [w.prompt_tokens, w.output_tokens, batch(recipe)],
         "engine_env": envs.requirements_file("engine").read_text(), "hardware": provenance.hardware(),
         "code": source_hash(Path(__file__)),
     })
@@ -94,11 +94,19 @@ def reserve_for(recipe, run_root: Path, model_dir: Path, model_hash: str, dtype:
 
 
 def probe_pool(recipe, cfg: dict, kv_elem_bytes: int) -> int:
-    """A pool for two max_model_len sequences plus a decode batch of the workload's shape."""
+    """A pool for two max_model_len sequences plus the largest decode batch of the workload's shape."""
     e, w = recipe.engine, recipe.workload
     lay = capacity.layout(cfg, kv_elem_bytes, tp=e.tensor_parallel_size)
-    conc = min(e.max_num_seqs, max([w.concurrency, *(c.concurrency for c in w.matrix)]))
-    return lay.pool_for(e.max_model_len, 2) + lay.pool_for(w.prompt_tokens + w.output_tokens, conc)
+    return lay.pool_for(e.max_model_len, 2) + lay.pool_for(w.prompt_tokens + w.output_tokens, batch(recipe))
+
+
+def batch(recipe) -> int:
+    """The largest decode batch the run will send: max_num_seqs when the admission probe ramps to it,
+    else the workload's highest concurrency."""
+    e, w = recipe.engine, recipe.workload
+    if w.admission_probe:
+        return e.max_num_seqs
+    return min(e.max_num_seqs, max([w.concurrency, *(c.concurrency for c in w.matrix)]))
 
 
 def _scored(port: int, prompt: list[int], top_k: int, timeout: float) -> None:
@@ -112,7 +120,10 @@ def _scored(port: int, prompt: list[int], top_k: int, timeout: float) -> None:
 
 
 def drive(server: Server, recipe, model_dir: Path) -> None:
-    """The heaviest load the run puts on an engine: long scored prompts, then a decode batch."""
+    """The heaviest load the run puts on an engine: long scored prompts, then its largest decode batch.
+    Like vLLM's own memory profiling on GPUs, this is the worst case the engine can be sent, so a run's
+    actual peak sits at or below the budget; a variant's kernels may still need a little more (the
+    capacity table shows each engine's peak beside the budget)."""
     from transformers import AutoTokenizer
 
     e, w = recipe.engine, recipe.workload
@@ -122,9 +133,9 @@ def drive(server: Server, recipe, model_dir: Path) -> None:
     long = stream.take(2, e.max_model_len - 8)
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda p: _scored(server.port, p, top_k, w.request_timeout_s * 4), long))
-    conc = min(e.max_num_seqs, max([w.concurrency, *(c.concurrency for c in w.matrix)]))
-    batch = stream.take(conc, w.prompt_tokens)
-    loadgen.run_closed_loop(server.port, SERVED_NAME, batch, w.output_tokens, conc, w.request_timeout_s)
+    conc = batch(recipe)
+    prompts = stream.take(conc, w.prompt_tokens)
+    loadgen.run_closed_loop(server.port, SERVED_NAME, prompts, w.output_tokens, conc, w.request_timeout_s)
 
 
 def measure(recipe, model_dir: Path, dtype: str, log_path: Path) -> dict:
