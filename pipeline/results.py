@@ -247,8 +247,9 @@ class SystemsResult(StageResult):
     checkpoint_bytes: int | None = None
     peak_memory_bytes: int | None = Field(None, description="Peak RSS summed over the engine tree, sampled.")
     peak_memory_hwm_bytes: int | None = Field(
-        None, description="Sum over the engine tree of each process's kernel high-water mark (VmHWM): catches "
-        "spikes the sampling misses; what the memory budget is checked against.")
+        None, description="Sum over the engine tree of each process's kernel high-water mark (VmHWM) while it "
+        "loaded and served (the quality stage's prompt scoring, an evaluation artifact, is measured apart): "
+        "catches spikes the sampling misses; what the memory budget is checked against.")
     weight_memory_bytes: int | None = Field(
         None, description="Parameters + buffers the engine holds once its weights are loaded (engine dtype, "
         "quantized tensors as stored), reported from inside the engine; None if it did not report.")

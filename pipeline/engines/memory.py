@@ -72,6 +72,8 @@ class MemorySampler:
     device_source: str | None = None  # how peak_device was attributed: PER_PROCESS or WHOLE_DEVICE
     device_before: int | None = None  # GPU memory in use before the engine started (WHOLE_DEVICE)
     peak_tree_hwm: int = 0  # sum over the tree of each process's kernel high-water mark (VmHWM)
+    load_hwm: int | None = None  # the high-water mark once the engine was ready (mark_loaded)
+    serving_hwm: int | None = None  # the high-water mark since begin_serving reset it
     _hwm: dict = field(default_factory=dict)  # pid -> its last VmHWM (kept after the process exits)
     _stop: threading.Event = field(default_factory=threading.Event)
     _gpu: bool = field(default_factory=lambda: envs.has_nvidia_gpu())
@@ -112,11 +114,45 @@ class MemorySampler:
                 self._hwm[p.pid] = max(self._hwm.get(p.pid, 0), hwm)
         self.peak_tree_rss = max(self.peak_tree_rss, total)
         self.peak_tree_hwm = max(self.peak_tree_hwm, sum(self._hwm.values()))
+        if self.serving_hwm is not None:
+            self.serving_hwm = max(self.serving_hwm, sum(self._hwm.values()))
         self._ticks += 1
         if self._gpu and self._ticks % 4 == 1:  # once a second: nvidia-smi itself takes ~50 ms
             used, source = self._device_bytes({p.pid for p in procs})
             if used > self.peak_device:
                 self.peak_device, self.device_source = used, source
+
+    def mark_loaded(self) -> None:
+        """The engine is ready: its high-water mark so far is that of loading and starting."""
+        self._sample()
+        self.load_hwm = self.peak_tree_hwm
+
+    def begin_serving(self) -> None:
+        """Reset the tree's kernel high-water marks (/proc/PID/clear_refs, "5"): what follows is measured
+        apart from what came before (the quality stage's prompt scoring, an evaluation artifact)."""
+        self._sample()
+        try:
+            root = psutil.Process(self.root_pid)
+            procs = root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for p in procs:
+            try:
+                with open(f"/proc/{p.pid}/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                return  # cannot reset: serving_peak stays the whole life's peak
+        self._hwm.clear()
+        self.serving_hwm = 0
+        self._sample()
+
+    @property
+    def serving_peak(self) -> int:
+        """Peak while loading and serving: the load phase's high-water mark and the one since
+        begin_serving; the whole life's when the phases were not marked."""
+        if self.serving_hwm is None or self.load_hwm is None:
+            return self.peak_tree_hwm
+        return max(self.load_hwm, self.serving_hwm)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

@@ -70,11 +70,13 @@ def _evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str, nee
     try:
         with server, server.blamed_for_errors():
             log(f"engine ready in {server.start_s:.0f} s (port {server.port})")
+            server.memory.mark_loaded()
             if need_quality:
                 q = quality.run_quality(server, model_dir, recipe, variant, vdir, need_quality, tasks_dir)
                 write_json(vdir / "quality.json", q)
                 log("quality: " + quality.summary(q))
             if need_systems:
+                server.memory.begin_serving()  # the budget's peak: loading and serving, not scoring
                 probe = admission.admission_probe if recipe.workload.admission_probe else None
                 s = systems.run_systems(server, model_dir, recipe, variant, need_systems, kv_bytes, act_bytes, log,
                                         probe=probe, plan=plan)

@@ -3,9 +3,9 @@
 A budget run (pipeline/membudget.py) starts each engine with budget - weights - reserve as its KV
 pool. The reserve (interpreter, vLLM, the API server, activations, logits) must be one measured
 figure for every variant, never a guess. One probe engine of the base model is started with a small
-pool, driven as hard as the run will drive it (long prompts scored with prompt log-probabilities, as
-the quality suites do, and a decode batch of the workload's shape), and its process tree's peak RSS
-sampled: reserve = peak - parameters the engine reported loading - pool.
+pool, driven as hard as serving will drive it (a max_model_len prompt, then the run's largest decode
+batch of the workload's shape), and its process tree's kernel high-water mark read:
+reserve = peak - parameters the engine reported loading - pool.
 
 The figure is written to the run folder (every variant of the run, on any Ray node, reads that one)
 and to the result cache under its key (the base model, engine settings but the pool, dtype, engine
@@ -19,8 +19,6 @@ import fcntl
 import json
 import socket
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline import capacity, envs, modelcfg, outcome, provenance
@@ -31,7 +29,7 @@ from pipeline.outcome import Spent
 from pipeline.prompts import PromptStream
 from pipeline.runstore import hash_obj, write_json
 
-RESERVE_KEY_VERSION = 1
+RESERVE_KEY_VERSION = 2  # 2: serving load only (no prompt log-probabilities)
 POOL_FIELDS = {"memory_budget_gib", "kv_cache_gib", "gpu_memory_utilization", "startup_timeout_s"}
 
 
@@ -40,7 +38,6 @@ def reserve_key(recipe, model_hash: str, dtype: str) -> str:
     return hash_obj({
         "version": RESERVE_KEY_VERSION, "model": model_hash, "dtype": dtype,
         "engine": recipe.engine.model_dump(exclude=POOL_FIELDS),
-        "drift_top_k": recipe.quality.drift.top_k if "drift" in recipe.quality.suites else None,
         "shape": [w.prompt_tokens, w.output_tokens, batch(recipe)],
         "engine_env": envs.requirements_file("engine").read_text(), "hardware": provenance.hardware(),
         "code": source_hash(Path(__file__)),
@@ -94,10 +91,10 @@ def reserve_for(recipe, run_root: Path, model_dir: Path, model_hash: str, dtype:
 
 
 def probe_pool(recipe, cfg: dict, kv_elem_bytes: int) -> int:
-    """A pool for two max_model_len sequences plus the largest decode batch of the workload's shape."""
+    """A pool for one max_model_len sequence plus the largest decode batch of the workload's shape."""
     e, w = recipe.engine, recipe.workload
     lay = capacity.layout(cfg, kv_elem_bytes, tp=e.tensor_parallel_size)
-    return lay.pool_for(e.max_model_len, 2) + lay.pool_for(w.prompt_tokens + w.output_tokens, batch(recipe))
+    return lay.pool_for(e.max_model_len, 1) + lay.pool_for(w.prompt_tokens + w.output_tokens, batch(recipe))
 
 
 def batch(recipe) -> int:
@@ -109,30 +106,20 @@ def batch(recipe) -> int:
     return min(e.max_num_seqs, max([w.concurrency, *(c.concurrency for c in w.matrix)]))
 
 
-def _scored(port: int, prompt: list[int], top_k: int, timeout: float) -> None:
-    """One prompt scored as the quality suites score them: every prompt token's log-probability."""
-    body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, "echo": True,
-                       "logprobs": top_k, "temperature": 0.0}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        r.read()
-
-
 def drive(server: Server, recipe, model_dir: Path) -> None:
-    """The heaviest load the run puts on an engine: long scored prompts, then its largest decode batch.
-    Like vLLM's own memory profiling on GPUs, this is the worst case the engine can be sent, so a run's
-    actual peak sits at or below the budget; a variant's kernels may still need a little more (the
-    capacity table shows each engine's peak beside the budget)."""
+    """The heaviest serving load the run puts on an engine: a max_model_len prompt (its prefill's
+    activations), then its largest decode batch. Like vLLM's own memory profiling on GPUs, this is the
+    worst case the engine can be sent while serving, so a run's serving peak sits at or below the
+    budget; a variant's kernels may still need a little more (the capacity table shows each engine's
+    peak beside the budget). Prompt log-probabilities, which only the quality stage asks for, are an
+    evaluation artifact outside the budget."""
     from transformers import AutoTokenizer
 
     e, w = recipe.engine, recipe.workload
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
     stream = PromptStream(tok)
-    top_k = recipe.quality.drift.top_k if "drift" in recipe.quality.suites else 1
-    long = stream.take(2, e.max_model_len - 8)
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda p: _scored(server.port, p, top_k, w.request_timeout_s * 4), long))
+    loadgen.run_closed_loop(server.port, SERVED_NAME, stream.take(1, e.max_model_len - 8), 4, 1,
+                            w.request_timeout_s * 4)
     conc = batch(recipe)
     prompts = stream.take(conc, w.prompt_tokens)
     loadgen.run_closed_loop(server.port, SERVED_NAME, prompts, w.output_tokens, conc, w.request_timeout_s)
@@ -142,8 +129,7 @@ def measure(recipe, model_dir: Path, dtype: str, log_path: Path) -> dict:
     """Start the probe engine, drive it, and take the reserve from its peak memory."""
     act = 4 if dtype == "float32" else 2
     pool = probe_pool(recipe, modelcfg.read(model_dir), act)
-    extra = ["--max-logprobs", str(recipe.quality.drift.top_k)] if recipe.quality.drift.top_k > 20 else []
-    server = Server(model_dir, recipe.engine, dtype, log_path, recipe.model.trust_remote_code, extra,
+    server = Server(model_dir, recipe.engine, dtype, log_path, recipe.model.trust_remote_code,
                     kv_pool_bytes=pool)
     with server, server.blamed_for_errors():
         drive(server, recipe, model_dir)
@@ -158,5 +144,5 @@ def measure(recipe, model_dir: Path, dtype: str, log_path: Path) -> dict:
             "weights_bytes": loaded["parameters"], "pool_bytes": pool, "host": socket.gethostname(),
             "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
             "source": f"measured on {socket.gethostname()}: peak resident memory (kernel high-water mark) of a "
-                      f"probe engine of the base model (pool {pool / 2**20:.0f} MiB, long scored prompts + a decode "
-                      "batch) - its weights - its pool"}
+                      f"probe engine of the base model (pool {pool / 2**20:.0f} MiB, a max_model_len prompt + the largest "
+                      "decode batch) - its weights - its pool"}

@@ -115,7 +115,7 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
 def record_memory(s: SystemsResult, memory) -> None:
     """Peak memory of the engine's process tree (and device), sampled until the engine stopped."""
     s.peak_memory_bytes = memory.peak_tree_rss
-    s.peak_memory_hwm_bytes = memory.peak_tree_hwm or None
+    s.peak_memory_hwm_bytes = memory.serving_peak or None
     s.device_memory_peak_bytes = memory.peak_device or None
     s.device_memory_source = memory.device_source
 
