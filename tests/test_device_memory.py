@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -96,3 +97,47 @@ def test_no_nvidia_smi_means_no_device_figure(tree, monkeypatch, tmp_path):
     m._sample()
     assert (m.peak_device, m.device_source) == (0, None) and m.peak_tree_rss > 0
     assert device_used_bytes() is None
+
+
+def test_serving_peak_leaves_out_what_came_between_loading_and_serving(tmp_path):
+    """Kernel high-water marks (VmHWM) catch a spike no sampling sees; the marks reset before the
+    systems stage, so the quality stage's scoring spike is not the budget's peak."""
+    go = tmp_path / "go"
+    child = ("import os, time\n"
+             "x = bytearray(64 * 2**20)\n"  # loading: 64 MiB held
+             f"while not os.path.exists({str(go)!r} + '1'): time.sleep(0.02)\n"
+             "y = bytearray(400 * 2**20); del y\n"  # scoring: a 400 MiB spike, gone before any sample
+             f"open({str(go)!r} + '2', 'w').close()\n"
+             f"while not os.path.exists({str(go)!r} + '3'): time.sleep(0.02)\n"
+             "z = bytearray(128 * 2**20); del z\n"  # serving: a 128 MiB spike
+             f"open({str(go)!r} + '4', 'w').close()\n"
+             "time.sleep(30)\n")
+    root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                             f"{child!r}])"])
+
+    def wait_for(path: Path) -> None:
+        for _ in range(500):
+            if path.exists():
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"{path} never appeared")
+
+    try:
+        m = MemorySampler(root.pid, interval=3600, _gpu=False)  # no sampling thread: samples only when told
+        time.sleep(1.0)
+        m.mark_loaded()
+        loaded = m.load_hwm
+        (tmp_path / "go1").touch()
+        wait_for(tmp_path / "go2")
+        m.begin_serving()  # after the scoring spike
+        (tmp_path / "go3").touch()
+        wait_for(tmp_path / "go4")
+        m.stop()
+        assert m.peak_tree_hwm >= loaded + 380 * 2**20  # the whole life saw the scoring spike
+        assert loaded + 100 * 2**20 <= m.serving_peak < loaded + 300 * 2**20  # serving: its own spike only
+        assert m.peak_tree_rss < loaded + 100 * 2**20  # sampling missed both spikes
+    finally:
+        for p in psutil.Process(root.pid).children(recursive=True):
+            p.kill()
+        root.kill()
+        root.wait()
