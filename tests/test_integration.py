@@ -204,7 +204,9 @@ def test_one_memory_budget_turns_smaller_weights_into_kv_tokens(run):
     assert b["pool_bytes"] == b["budget_bytes"] - b["weights_bytes"] - b["reserve_bytes"]
     assert b["engine_weights_bytes"] == b["weights_bytes"]  # the headers predict what the engine loaded
     assert b["engine_tokens"] == b["tokens"] == base["kv"]["tokens"]  # predicted = the engine's own figure
-    assert b["peak_bytes"] and base["peak_memory_hwm_bytes"] >= base["peak_memory_bytes"]
+    # the budget's peak: loading + serving (high-water marks reset before the systems stage, so the quality
+    # stage's scoring spike, in the sampled whole-life peak, is not in it); it holds the weights and the pool
+    assert b["peak_bytes"] == base["peak_memory_hwm_bytes"] > b["weights_bytes"] + b["pool_bytes"]
     if load(run, "w8a8", "support.json")["mode"] == "native":
         s = load(run, "w8a8", "systems.json")
         w = s["kv"]["plan"]
