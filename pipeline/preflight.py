@@ -58,7 +58,7 @@ def _base_plan(recipe: Recipe, model_dir: Path):
     if membudget.mode(recipe.engine, envs.has_nvidia_gpu()) != "budget":
         return None, None
     dtype = provenance.resolve_dtype(recipe.engine.dtype)
-    act = 4 if dtype == "float32" else 2
+    act = provenance.dtype_bytes(dtype)
     cfg = modelcfg.read(model_dir)
     known = reserve_stage.cached_reserve(recipe, model_dir, dtype)
     w = recipe.workload

@@ -40,6 +40,16 @@ def resolve_dtype(requested: str) -> str:
     return "float32"
 
 
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of an engine dtype the pipeline resolves to (float32, or a 16-bit type)."""
+    return 4 if dtype == "float32" else 2
+
+
+def kv_elem_bytes(dtype: str, engine_args: list[str]) -> int:
+    """Bytes per KV-cache element: one with --kv-cache-dtype fp8, else the engine dtype's."""
+    return 1 if "fp8" in engine_args else dtype_bytes(dtype)
+
+
 @lru_cache(maxsize=1)
 def hardware() -> dict:
     info = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()}

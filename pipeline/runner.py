@@ -72,8 +72,7 @@ def pool_plan(ctx: RunContext, weights_dir: Path, extra_args: list[str], name: s
     runtime reserve is measured once per run. A pool that cannot hold one sequence fails here, before
     any engine starts."""
     gpu = envs.has_nvidia_gpu()
-    act = 4 if ctx.dtype == "float32" else 2
-    kv = 1 if "fp8" in extra_args else act
+    act, kv = provenance.dtype_bytes(ctx.dtype), provenance.kv_elem_bytes(ctx.dtype, extra_args)
     reserve = None
     if membudget.mode(ctx.recipe.engine, gpu) == "budget":
         reserve = reserve_stage.reserve_for(ctx.recipe, ctx.run_dir.root, ctx.model_dir, ctx.model_id, ctx.dtype,

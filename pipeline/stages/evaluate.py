@@ -14,6 +14,7 @@ import contextlib
 import tempfile
 from pathlib import Path
 
+from pipeline import provenance
 from pipeline.engines.server import Server
 from pipeline.results import QualityResult, SystemsResult
 from pipeline.runstore import write_json
@@ -61,8 +62,7 @@ def one_measuring_engine_per_host(measuring: bool, log):
 def _evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str, need_quality: str | None,
               need_systems: str | None, tasks_dir: Path, log, extra_args: list[str], spent, plan):
     q = s = None
-    act_bytes = 4 if dtype == "float32" else 2
-    kv_bytes = 1 if "fp8" in extra_args else act_bytes  # --kv-cache-dtype fp8
+    act_bytes, kv_bytes = provenance.dtype_bytes(dtype), provenance.kv_elem_bytes(dtype, extra_args)
     server = Server(model_dir, recipe.engine, dtype, vdir / "engine.log", recipe.model.trust_remote_code, extra_args,
                     kv_pool_bytes=plan.pool_bytes if plan is not None else None)
     if spent is not None:

@@ -127,8 +127,7 @@ def drive(server: Server, recipe, model_dir: Path) -> None:
 
 def measure(recipe, model_dir: Path, dtype: str, log_path: Path) -> dict:
     """Start the probe engine, drive it, and take the reserve from its peak memory."""
-    act = 4 if dtype == "float32" else 2
-    pool = probe_pool(recipe, modelcfg.read(model_dir), act)
+    pool = probe_pool(recipe, modelcfg.read(model_dir), provenance.dtype_bytes(dtype))
     server = Server(model_dir, recipe.engine, dtype, log_path, recipe.model.trust_remote_code,
                     kv_pool_bytes=pool)
     with server, server.blamed_for_errors():
