@@ -129,13 +129,6 @@ def check_fits(p: BudgetPlan, cfg: dict, engine, kv_elem_bytes: int, who: str) -
             f"{engine.max_model_len}-token sequence {one / GIB:.3f} GiB need {need / GIB:.2f} GiB ({need} bytes)")
 
 
-def engine_pool_args(p: BudgetPlan | None) -> list[str]:
-    """The KV-pool option an engine is started with: a size in bytes, or none (GPU: vLLM sizes it)."""
-    if p is None or p.pool_bytes is None or p.projected:
-        return []
-    return ["--kv-cache-memory-bytes", str(p.pool_bytes)]
-
-
 def verify(p: BudgetPlan, cfg: dict, kv_elem_bytes: int, tp: int, engine_block: int | None,
            engine_tokens: int | None, loaded_params: int | None, peak_rss: int | None, seq_len: int | None = None) -> None:
     """After the engine ran: its KV tokens and loaded weights beside the prediction (re-cut to the block
@@ -153,7 +146,7 @@ def verify(p: BudgetPlan, cfg: dict, kv_elem_bytes: int, tp: int, engine_block: 
         p.tokens = engine_tokens
 
 
-def projected_capacity(p: BudgetPlan, recipe) -> KVCapacity:
+def projected_capacity(p: BudgetPlan) -> KVCapacity:
     """The capacity of a variant no engine ran natively here: the plan's arithmetic only, labelled
     projected; every measured field stays empty so nothing mixes it with measurements."""
     return KVCapacity(block_size=p.block_size, num_blocks=None, tokens=None, max_concurrency=None,

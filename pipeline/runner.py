@@ -87,21 +87,23 @@ def pool_plan(ctx: RunContext, weights_dir: Path, extra_args: list[str], name: s
 
 def evaluate_variant(ctx: RunContext, name: str, model_dir: Path, weights_hash: str, spent: Spent,
                      systems_skip: str | None = None, checkpoint_bytes: int | None = None,
-                     extra_args: list[str] | None = None, plan: BudgetPlan | None = None) -> None:
+                     extra_args: list[str] | None = None, plan: BudgetPlan | None = None,
+                     projected: BudgetPlan | None = None) -> None:
     """Quality and systems for one set of weights; systems_skip records why systems are not measured;
     extra_args are the engine options this variant changes on purpose (e.g. an FP8 KV cache); plan is
-    its KV pool under the memory budget (a projected one when systems are skipped)."""
+    the KV pool its engine is started with under the memory budget; projected is the capacity recorded
+    instead when systems are skipped (weights served dense, no native kernel here)."""
     from pipeline.stages.evaluate import evaluate
 
     recipe, dtype, run = ctx.recipe, ctx.dtype, ctx.run_dir
     vdir = run.variant(name)
     extra_args = list(extra_args or [])
-    qh, sh = keys.evaluate_keys(recipe, weights_hash, dtype, extra_args, plan)
+    qh, sh = keys.evaluate_keys(recipe, weights_hash, dtype, extra_args, projected or plan)
     q, s = _reuse(vdir, name, qh, sh, systems_skip)
     if systems_skip and s is None:
         s = SystemsResult(variant=name, input_hash=sh, status="skipped", duration_s=0.0,
                           error=systems_skip, checkpoint_bytes=checkpoint_bytes,
-                          kv=membudget.projected_capacity(plan, recipe) if plan else None)
+                          kv=membudget.projected_capacity(projected) if projected else None)
         write_json(vdir / "systems.json", s)
         say(name, f"systems: not measured ({systems_skip})")
     if q and s:
@@ -178,7 +180,8 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
         dense = quantize_stage.dense_copy(qr, vdir, spent)
         evaluate_variant(ctx, v.name, dense, keys.dense_key(qr.input_hash), spent, systems_skip=decision.reason,
                          checkpoint_bytes=qr.checkpoint_bytes, extra_args=extra,
-                         plan=pool_plan(ctx, dense, extra, v.name, projected_from=weights_dir))
+                         plan=pool_plan(ctx, dense, extra, v.name),  # the dense weights' pool, for quality
+                         projected=pool_plan(ctx, dense, extra, v.name, projected_from=weights_dir))
     else:
         evaluate_variant(ctx, v.name, weights_dir, qr.input_hash if qr else ctx.model_id, spent, extra_args=extra,
                          checkpoint_bytes=qr.checkpoint_bytes if qr else None,

@@ -218,6 +218,10 @@ def test_one_memory_budget_turns_smaller_weights_into_kv_tokens(run):
     awq = load(run, "awq", "systems.json")  # emulated here (AVX2 answers): projected, never measured
     assert awq["status"] == "skipped" and awq["kv"]["tokens"] is None and awq["kv"]["plan"]["projected"]
     assert awq["kv"]["plan"]["tokens"] > base["kv"]["tokens"]
+    # its quality engine served the dense weights with the dense weights' pool, not the projected one
+    log = (run["dir"] / "awq" / "engine.log").read_text()
+    served = int(log.split("KV cache size: ", 1)[1].split(" tokens", 1)[0].replace(",", ""))
+    assert served < awq["kv"]["plan"]["tokens"] and f"kv_cache_memory_bytes': {awq['kv']['plan']['pool_bytes']}" not in log
     gate = next(g for v in load(run, "signoff.json")["variants"] if v["variant"] == "awq" for g in v["gates"]
                 if g["metric"] == "kv_tokens_ratio")
     assert gate["outcome"] == "N/A" and gate["measured"]["value"] is None and "projected" in gate["measured"]["caveat"]

@@ -60,7 +60,6 @@ def test_the_budget_turns_smaller_weights_into_kv_tokens(tmp_path):
     b, v = plans["b"], plans["v"]
     for p in (b, v):  # pool = budget - weights as loaded - the one reserve
         assert p.mode == "budget" and p.pool_bytes == 2**30 - p.weights_bytes - RESERVE["reserve_bytes"]
-        assert membudget.engine_pool_args(p) == ["--kv-cache-memory-bytes", str(p.pool_bytes)]
     lay = capacity.layout(CFG, 4, block=128)
     assert v.tokens - b.tokens == pytest.approx((b.weights_bytes - v.weights_bytes) / lay.bytes_per_block * 128,
                                                 abs=128)  # within one block of the arithmetic
@@ -73,17 +72,16 @@ def test_the_budget_turns_smaller_weights_into_kv_tokens(tmp_path):
     assert v8.tokens // 128 == v.pool_bytes // (lay.bytes_per_block // 4)
     # on a GPU vLLM sizes the pool itself: no size is passed
     g = membudget.plan(e, CFG, dense, 2, 2, True)
-    assert g.mode == "gpu" and g.pool_bytes is None and membudget.engine_pool_args(g) == []
+    assert g.mode == "gpu" and g.pool_bytes is None
 
 
-def test_projected_plans_start_no_engine_and_never_pass_as_measured(tmp_path):
+def test_projected_plans_never_pass_as_measured(tmp_path):
     dense, q8 = checkpoint(tmp_path / "dense", False), checkpoint(tmp_path / "q8", True)
     e = EngineSpec(memory_budget_gib=1.0, max_model_len=512)
     p = membudget.plan(e, CFG, dense, 4, 4, False, RESERVE, projected_from=q8, seq_len=320)
     assert p.projected and p.weights_bytes == membudget.weights_as_loaded(q8, 4)
-    assert membudget.engine_pool_args(p) == []
     base_plan = membudget.plan(e, CFG, dense, 4, 4, False, RESERVE)
-    kv = membudget.projected_capacity(p, None)
+    kv = membudget.projected_capacity(p)
     assert kv.tokens is None and kv.num_blocks is None and kv.tokens_config == p.tokens
     base = SystemsResult(variant="baseline", input_hash="s", status="ok", duration_s=1.0,
                          kv=KVCapacity(block_size=128, num_blocks=base_plan.tokens // 128, tokens=base_plan.tokens,
