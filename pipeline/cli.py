@@ -2,6 +2,8 @@
 
     quantize-eval RECIPE            run (same as `run RECIPE`); exit 0 pass, 1 a gate fails
     quantize-eval run RECIPE [--fresh]
+    quantize-eval search RECIPE     the cheapest mixed-precision variant whose gates pass (the
+                                    recipe's search section); exit 0 found, 1 none passed
     quantize-eval validate RECIPE   check a recipe without running anything
     quantize-eval report RUN_DIR    re-render report.html/results.json from a run folder
     quantize-eval compare A B       what changed between two runs; exit 1 on a regression,
@@ -37,6 +39,10 @@ def parser() -> argparse.ArgumentParser:
     p_run.add_argument("--ray", metavar="ADDRESS", help="run variants as Ray tasks: 'local' (a private Ray "
                        "instance here), 'auto' (the cluster this machine is in) or a cluster address; "
                        "overrides the recipe's executor section")
+    p_search = sub.add_parser("search", help="find the cheapest mixed-precision variant that passes the gates")
+    p_search.add_argument("recipe")
+    p_search.add_argument("--fresh", action="store_true", help="start a new run folder, no resume")
+    p_search.add_argument("--quiet", action="store_true", help="no progress lines")
     p_stage = sub.add_parser("_stage")  # internal: one stage of one variant, run by a Ray task
     for a in ("stage", "recipe", "run_dir", "variant"):
         p_stage.add_argument(a)
@@ -109,6 +115,11 @@ def cmd_validate(args, recipe) -> int:
         return fail(str(exc))
     print(f"{args.recipe}: ok ({len(recipe.variants)} variant(s) + baseline, {len(recipe.gates)} gate(s))"
           + (f"; {pending}" if pending else ""))
+    if recipe.search:
+        sp = recipe.search
+        print(f"  search: {sp.base_scheme} g{sp.group_size or 'channel'}, blocks kept at "
+              f"{' then '.join(sp.fallbacks)} by measured sensitivity, objective {sp.objective}, at most "
+              f"{sp.max_builds} candidate(s); run it with `quantize-eval search {args.recipe}`")
     for line in preflight.power_statements(recipe):
         print("  power: " + line)
     memory = None if pending else preflight.budget_statement(recipe, _model_dir(recipe))
@@ -136,7 +147,16 @@ def cmd_run(args, recipe) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)
+    if args.cmd == "run" and not recipe.variants:
+        return fail(f"{args.recipe}: variants: none to run; this recipe only searches: "
+                    f"quantize-eval search {args.recipe}")
     try:
+        if args.cmd == "search":
+            from pipeline import search
+
+            if recipe.search is None:
+                return fail(f"{args.recipe}: search: this recipe has no search section (see recipes/search.yaml)")
+            return search.search(recipe, Path(args.recipe), fresh=args.fresh)
         return runner.run(recipe, Path(args.recipe), fresh=args.fresh)
     except (runner.PreflightError, runner.RunLocked) as exc:
         return fail(str(exc))
@@ -147,7 +167,7 @@ def cmd_run(args, recipe) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in ("run", "validate", "report", "compare", "make-legacy", "_stage", "-h", "--help"):
+    if argv and argv[0] not in ("run", "search", "validate", "report", "compare", "make-legacy", "_stage", "-h", "--help"):
         argv.insert(0, "run")
     try:
         args = parser().parse_args(argv)

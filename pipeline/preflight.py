@@ -39,14 +39,16 @@ def check_model_limits(recipe: Recipe, recipe_path: Path, model_dir: Path) -> No
     dims = {k: text_cfg.get(k) for k in ("hidden_size", "intermediate_size")}
     if text_cfg.get("num_attention_heads") and text_cfg.get("head_dim"):
         dims["num_attention_heads * head_dim"] = text_cfg["num_attention_heads"] * text_cfg["head_dim"]
-    for i, v in enumerate(recipe.variants):  # a group must tile every Linear's input features
-        if v.scheme not in W4_SCHEMES:
-            continue
-        bad = {k: d for k, d in dims.items() if d and v.group_size and d % v.group_size}
+    groups = [(f"variants.{i}.group_size", v.group_size) for i, v in enumerate(recipe.variants)
+              if v.scheme in W4_SCHEMES]
+    if recipe.search is not None:
+        groups.append(("search.group_size", recipe.search.group_size))
+    for field, g in groups:  # a group must tile every Linear's input features
+        bad = {k: d for k, d in dims.items() if d and g and d % g}
         if bad:
             k, d = next(iter(bad.items()))
-            raise PreflightError(f"{recipe_path}: variants.{i}.group_size: {v.group_size} does not divide the "
-                                 f"model's {k} = {d}; pick a divisor (e.g. {_divisor(d)}) or null for per-channel")
+            raise PreflightError(f"{recipe_path}: {field}: {g} does not divide the model's {k} = {d}; pick a "
+                                 f"divisor (e.g. {_divisor(d)}) or null for per-channel")
 
 
 def _base_plan(recipe: Recipe, model_dir: Path):

@@ -19,6 +19,7 @@ from pydantic import AfterValidator, Field, ValidationError, field_validator, mo
 from pipeline import metrics, schemes, suitetable
 from pipeline.recipe_files import RecipeError, check_import, check_llmc_recipe, check_model_dir, one_line, read_mapping
 from pipeline.recipe_files import check_checkpoint_dir as check_checkpoint_dir  # re-exported for callers
+from pipeline.recipe_search import SearchSpec
 from pipeline.recipe_serving import DEFAULT_BUDGET_GIB as DEFAULT_BUDGET_GIB  # re-exported
 from pipeline.recipe_serving import CellSpec as CellSpec  # re-exported
 from pipeline.recipe_serving import EngineSpec, Strict, WorkloadSpec
@@ -240,7 +241,8 @@ class Recipe(Strict):
     model: ModelSpec
     engine: EngineSpec = EngineSpec()
     calibration: CalibrationSpec = CalibrationSpec()
-    variants: tuple[VariantSpec, ...] = Field(min_length=1, description="Quantized variants.")
+    variants: tuple[VariantSpec, ...] = Field((), description="Quantized variants (at least one, unless the "
+                                              "recipe has a search section: then they are references).")
     quality: QualitySpec = QualitySpec()
     workload: WorkloadSpec = WorkloadSpec()
     gates: tuple[GateSpec, ...] = Field((), description="Sign-off gates per variant.")
@@ -249,9 +251,15 @@ class Recipe(Strict):
         "smallest_checkpoint", description="How the recommended variant is chosen among those that pass.")
     runs_dir: str = Field("runs", description="Where run folders go (relative to the recipe's cwd).")
     executor: ExecutorSpec = ExecutorSpec()
+    search: SearchSpec | None = Field(None, description="`quantize-eval search`: build mixed-precision "
+                                      "candidates by measured sensitivity, judged by this recipe's gates.")
 
     @model_validator(mode="after")
     def _cross(self) -> Recipe:
+        if not self.variants and self.search is None:
+            raise ValueError("variants: at least one variant (or a search section)")
+        if self.search is not None:
+            _check_search(self)
         names = [v.name for v in self.variants]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -286,6 +294,20 @@ class Recipe(Strict):
                 raise ValueError(f"gates.{i}.scope: {g.scope!r} is not a suite this recipe runs "
                                  f"({', '.join(q.suites)})")
         return self
+
+
+def _check_search(r: Recipe) -> None:
+    if not any(g.severity == "fail" for g in r.gates):
+        raise ValueError("search: needs at least one gate of severity fail (the gates are what a candidate must pass)")
+    if r.search.objective == "capacity" and r.engine.kv_cache_gib is not None:
+        raise ValueError("search.objective: capacity needs engine.memory_budget_gib; a fixed engine.kv_cache_gib "
+                         "pool does not grow when the weights shrink")
+    if r.executor.kind != "local":
+        raise ValueError("executor.kind: search runs its candidates one after another here (local); each "
+                         "candidate depends on the verdict of the one before")
+    taken = [v.name for v in r.variants if v.name.startswith("search-")]
+    if taken:
+        raise ValueError(f"variants: {taken[0]!r}: names starting 'search-' are the search's own candidates")
 
 
 def load(path: str | Path) -> Recipe:

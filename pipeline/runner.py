@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pipeline import assets, envs, keys, membudget, modelcfg, outcome, provenance, resultcache, schemes, support
 from pipeline.console import say
-from pipeline.outcome import Spent, VariantOutcome
+from pipeline.outcome import Spent
 from pipeline.preflight import PreflightError, check_ray_address, preflight
 from pipeline.recipe import Recipe
 from pipeline.results import BudgetPlan, QualityResult, SystemsResult
@@ -268,7 +268,7 @@ def identity_of(recipe: Recipe, recipe_path: Path) -> str:
     return hash_obj({"name": recipe.name, "file": str(Path(recipe_path).resolve())})
 
 
-def _start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, dict]:
+def start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, dict]:
     """Model, preflight, run folder and manifest: everything before the first stage."""
     recipe_hash = hash_obj(recipe.model_dump(mode="json"))
     try:
@@ -319,12 +319,10 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
 
 
 def _run(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
-    from pipeline.stages.signoff import signoff
-
     prepare_environment()
     check_ray_address(recipe)
     t_run, t_epoch = time.perf_counter(), time.time()
-    ctx, manifest = _start(recipe, recipe_path, fresh)
+    ctx, manifest = start(recipe, recipe_path, fresh)
     check_base_fits(ctx, recipe_path)
     if recipe.executor.kind == "ray":
         from pipeline import ray_executor
@@ -332,6 +330,16 @@ def _run(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
         timings = ray_executor.run_all(ctx, recipe_path)
     else:
         timings = run_local(ctx)
+    return conclude(ctx, manifest, timings, t_run, t_epoch).exit_code
+
+
+def conclude(ctx: RunContext, manifest: dict, timings: dict[str, float], t_run: float, t_epoch: float,
+             extra: dict | None = None, headline: str | None = None):
+    """Sign off every variant of ctx.recipe, finish the manifest (with `extra` merged in), render the
+    page, print the verdict (or `headline`, a search's answer, above the run's verdict); the Signoff."""
+    from pipeline.stages.signoff import signoff
+
+    recipe = ctx.recipe
     results = {n: outcome.read(ctx.run_dir.variant(n)) for n in ["baseline", *(v.name for v in recipe.variants)]}
     spent = outcome.accounting(ctx.run_dir.root, t_epoch)
     so = signoff(recipe, manifest["recipe_hash"], ctx.run_dir.root, results)
@@ -343,9 +351,10 @@ def _run(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
     busy = spent.engine_s + spent.quantizer_s
     manifest["busy_s"] = {"engine": spent.engine_s, "quantizer": spent.quantizer_s,
                           "overhead_ratio": wall / busy if busy else None}
+    manifest.update(extra or {})
     write_json(ctx.run_dir.manifest, manifest)
-    _finish(ctx.run_dir, so, results, spent, t_run)
-    return so.exit_code
+    _finish(ctx.run_dir, so, spent, t_run, headline)
+    return so
 
 
 def _render(run_dir: RunDir) -> str:
@@ -358,12 +367,16 @@ def _render(run_dir: RunDir) -> str:
         return f"(not rendered: {type(exc).__name__}: {exc}; retry with `quantize-eval report`)"
 
 
-def _finish(run_dir: RunDir, so, results: dict[str, VariantOutcome], spent: Spent, t_run: float) -> None:
+def _finish(run_dir: RunDir, so, spent: Spent, t_run: float, headline: str | None = None) -> None:
     """Render the page and print the verdict; the verdict stands even if the page cannot be drawn."""
     report = _render(run_dir)
     for vs in so.variants:
         say(vs.variant, f"verdict {vs.verdict}" + (f" ({vs.reason})" if vs.reason else ""))
-    print(f"\nVERDICT: {so.verdict}" + (f"  recommended: {so.recommended}" if so.recommended else ""))
+    if headline:
+        print(f"\n{headline}")
+        print(f"candidates' sign-off: {so.verdict} (a failing candidate is the search at work; the answer is above)")
+    else:
+        print(f"\nVERDICT: {so.verdict}" + (f"  recommended: {so.recommended}" if so.recommended else ""))
     print(f"report:  {report}")
     print(f"results: {run_dir.root / 'results.json'}")
     print(f"wall:    {time.perf_counter() - t_run:.0f} s, {spent.engine_starts} engine start(s); engines busy "

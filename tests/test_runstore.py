@@ -88,7 +88,7 @@ def test_a_rerun_that_dies_leaves_no_earlier_verdict_behind(tmp_path, monkeypatc
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(d))
     monkeypatch.setattr(runner, "preflight", lambda *a: None)  # no data is needed to start
-    ctx, _ = runner._start(r, path, fresh=False)
+    ctx, _ = runner.start(r, path, fresh=False)
     assert ctx.run_dir.root == old  # resumed
     assert not (old / "signoff.json").exists()
     assert json.loads((old / "results.json").read_text())["signoff"] is None

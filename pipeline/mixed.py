@@ -1,0 +1,46 @@
+"""One mixed-precision candidate as an llm-compressor recipe: most Linear layers at the base 4-bit scheme,
+the kept ones at the fallback precision, in one compressed-tensors config vLLM loads.
+
+Standard library only (the search writes these files; the quantize worker runs them as any user's
+`scheme: custom` recipe). Targets are exact module names, anchored, so compressed-tensors and vLLM
+match each Linear to one group and no other module type is touched.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pipeline import schemes
+from pipeline.engines.quantize_worker import weight_args
+
+
+def names_regex(names: list[str]) -> str:
+    """A compressed-tensors target that matches exactly these module names."""
+    return "re:^(?:" + "|".join(re.escape(n) for n in sorted(names)) + ")$"
+
+
+def candidate_recipe(base_scheme: str, group_size: int | None, fallback: str, quantized: list[str],
+                     kept: list[str], ignore: list[str]) -> dict:
+    """The llm-compressor recipe (the YAML mapping oneshot reads) for: `quantized` Linear names at the
+    base scheme, `kept` at `fallback` (w8a16: 8-bit symmetric per-channel weights; unquantized: ignored),
+    `ignore` (e.g. lm_head) untouched. With nothing kept it is the uniform base scheme."""
+    s = schemes.SCHEMES[base_scheme]
+    groups = {"group_0": {"targets": [names_regex(quantized)],
+                          "weights": weight_args(s.weight_bits, group_size, s.symmetric)}}
+    skip = list(ignore)
+    if kept and fallback == "w8a16":
+        groups["group_1"] = {"targets": [names_regex(kept)], "weights": weight_args(8, None, True)}
+    elif kept and fallback == "unquantized":
+        skip += sorted(kept)
+    elif kept:
+        raise ValueError(f"unknown fallback {fallback!r}")
+    quant = {"ignore": skip, "config_groups": groups}
+    if base_scheme == "awq_w4a16":  # AWQ rescales channels; the quantization modifier does the rounding
+        mods = {"AWQModifier": {"duo_scaling": True}, "QuantizationModifier": quant}
+    elif base_scheme == "gptq_w4a16":
+        mods = {"GPTQModifier": {**quant, "dampening_frac": 0.01}}
+    elif base_scheme == "rtn_w4a16":
+        mods = {"QuantizationModifier": quant}
+    else:
+        raise ValueError(f"{base_scheme!r} is not a 4-bit base scheme")
+    return {"quant_stage": {"quant_modifiers": mods}}

@@ -1,0 +1,69 @@
+"""The `search:` section of a recipe: which mixed-precision variants `quantize-eval search` may build.
+
+Part of recipe schema v1 (pipeline/recipe.py holds it as Recipe.search). The gates the candidates
+must pass are the recipe's own gates; pipeline/search.py runs the search.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from pipeline.recipe_serving import Strict
+
+BASE_SCHEMES = ("awq_w4a16", "gptq_w4a16", "rtn_w4a16")
+# what a part kept at higher precision becomes: 8-bit integer weights per channel (16-bit activations),
+# or the base model's own weights. W8A8-INT8 is not offered per part: where the 4-bit kernel is missing
+# the mixed checkpoint is served as dense weights, which would drop its activation quantization.
+FALLBACKS = ("w8a16", "unquantized")
+FALLBACK_BITS = {"w8a16": 8, "unquantized": 16}
+
+
+class SensitivitySpec(Strict):
+    """How sensitivity is measured: drift-corpus windows held out from the drift suite's own windows."""
+
+    windows: int = Field(4, ge=1, le=256, description="Token windows of the drift corpus scored per part.")
+    window_tokens: int = Field(512, ge=16, le=8192, description="Tokens per window.")
+    kinds: bool = Field(True, description="Also measure each Linear kind (every q_proj, every down_proj, ...) "
+                        "across all blocks, for the report; candidates keep whole blocks.")
+
+
+class SearchSpec(Strict):
+    """Mixed precision by measured sensitivity: the k most sensitive decoder blocks kept at the fallback
+    precision, the rest at the base scheme; k found by bisection toward the cheapest candidate whose gates
+    pass. Every candidate is a real llm-compressor checkpoint, evaluated and signed off like a variant."""
+
+    base_scheme: Literal[BASE_SCHEMES] = Field(  # type: ignore[valid-type]
+        "gptq_w4a16", description="The 4-bit scheme most blocks get: " + ", ".join(BASE_SCHEMES) + ".")
+    group_size: int | None = Field(64, description="The base scheme's weight group size; null = per channel.")
+    fallbacks: tuple[str, ...] = Field(
+        ("w8a16",), min_length=1, description="Precisions a kept block may take, cheapest first: "
+        + ", ".join(FALLBACKS) + ". The search tries them in this order and stops at the first that passes.")
+    objective: Literal["memory", "capacity"] = Field(
+        "memory", description="memory: the smallest weights as loaded (as a native kernel holds them, in "
+        "the model's dtype); capacity: the most KV tokens under engine.memory_budget_gib.")
+    max_builds: int = Field(6, ge=1, le=64, description="Cap on candidate checkpoints built (the uniform base "
+                            "scheme counts as one); the search stops there and reports the best that passed.")
+    sensitivity: SensitivitySpec = SensitivitySpec()
+
+    @field_validator("group_size")
+    @classmethod
+    def _group(cls, v: int | None) -> int | None:
+        if v is not None and (v < 16 or v & (v - 1)):
+            raise ValueError("group_size must be a power of two >= 16, or null for per-channel")
+        return v
+
+    @field_validator("fallbacks")
+    @classmethod
+    def _fallbacks(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for f in v:
+            if f == "w8a8_int8":
+                raise ValueError("w8a8_int8 is not offered per block: where the 4-bit kernel is missing the mixed "
+                                 "checkpoint is served as dense weights, which would drop its activation "
+                                 "quantization; use w8a16 or unquantized")
+            if f not in FALLBACKS:
+                raise ValueError(f"unknown fallback {f!r}; one of {', '.join(FALLBACKS)}")
+        if len(set(v)) != len(v):
+            raise ValueError("a fallback is listed twice")
+        return v

@@ -1,0 +1,257 @@
+"""`quantize-eval search RECIPE`: the cheapest mixed-precision variant whose gates still pass.
+
+    baseline + the recipe's variants   evaluated as in a run; the variants are references on the frontier
+    sensitivity                        per decoder block and Linear kind, no engine      stages/sensitivity.py
+    ladder                             candidate k keeps the k most sensitive blocks at the fallback
+                                       precision, the rest at the base 4-bit scheme; k = 0 first (the
+                                       uniform scheme), then a first guess from the sensitivity curve,
+                                       then bisection between the largest failing and smallest passing k
+    each candidate                     a real llm-compressor checkpoint (pipeline/mixed.py), quantized,
+                                       evaluated and signed off exactly as a `scheme: custom` variant
+                                       (its checkpoint and results cached: widening the search reuses them)
+    answer                             RUN/search/search.json, the report's search section, and
+                                       RUN/search/chosen-recipe.yaml reproducing the answer as a variant
+
+Every figure on the frontier is measured on a built candidate; the sensitivity curve only chooses
+which k to build next. Exit 0 when a candidate (or reference) passes, 1 when none did.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import yaml
+
+from pipeline import envs, membudget, mixed, modelcfg, outcome, provenance, runner
+from pipeline.console import say
+from pipeline.outcome import Spent
+from pipeline.recipe import Recipe, VariantSpec
+from pipeline.runstore import hash_obj, run_lock, write_json
+from pipeline.stages import sensitivity
+
+PASSING = ("PASS", "WARN")
+TOP1_MARGIN = 0.01  # the first guess aims this far above a top-1 gate (judged on its CI's lower bound)
+
+
+def candidate_name(fallback: str, k: int) -> str:
+    return "search-uniform" if k == 0 else f"search-{fallback}-k{k:02d}"
+
+
+def first_guess(ranked: list[dict], uniform_top1: float | None, top1_floor: float | None) -> int:
+    """The first k (>= 1) to build after the uniform scheme, read off the sensitivity curve. With a top-1
+    gate and the uniform candidate's measured top-1: the smallest k at which the uniform disagreement,
+    shrunk in proportion to the per-block disagreement the kept blocks account for, clears the gate.
+    Otherwise the smallest k whose blocks hold half the summed KL."""
+    n = len(ranked)
+    d = [1.0 - r["top1_agreement"] for r in ranked]
+    if uniform_top1 is not None and top1_floor is not None and sum(d) > 0:
+        for k in range(1, n + 1):
+            if 1.0 - (1.0 - uniform_top1) * sum(d[k:]) / sum(d) >= top1_floor + TOP1_MARGIN:
+                return k
+        return n
+    kl = [r["kl_mean"] for r in ranked]
+    acc = 0.0
+    for k, x in enumerate(kl, 1):
+        acc += x
+        if acc >= sum(kl) / 2:
+            return k
+    return n
+
+
+def next_k(tried: dict[int, bool], n: int, guess: int) -> int | None:
+    """The next k to build, or None when settled. tried: k -> passed. Uniform first; while nothing
+    passes, the guess, then doubling up to n (every block kept); once something passes, bisection
+    between the largest failing k below it and the smallest passing k."""
+    if 0 not in tried:
+        return 0
+    passing = [k for k, ok in tried.items() if ok]
+    if not passing:
+        lo = max(tried)
+        if lo >= n:
+            return None
+        return guess if guess > lo else min(n, max(lo + 1, 2 * lo))
+    hi = min(passing)
+    lo = max((k for k, ok in tried.items() if not ok and k < hi), default=-1)
+    return None if hi - lo <= 1 else (lo + hi) // 2
+
+
+def _gate_floor(recipe: Recipe, metric: str) -> float | None:
+    floors = [g.threshold for g in recipe.gates if g.metric == metric and g.op == ">=" and g.severity == "fail"]
+    return max(floors) if floors else None
+
+
+def _llmc_file(llmc: dict) -> Path:
+    """Content-addressed, so the same candidate is the same checkpoint (and results) in any later search."""
+    text = yaml.safe_dump(llmc, sort_keys=False)
+    path = envs.home() / "search-recipes" / f"{hash_obj(llmc)[:20]}.yaml"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return path
+
+
+def _native_weight_bytes(weights_dir: Path, model_dir: Path) -> int:
+    """Weights as a native kernel holds them, floats in the model's own dtype (the 4-bit CPU kernel needs
+    bfloat16; GPUs serve 16-bit), so every candidate and reference is counted alike on any host."""
+    cfg = modelcfg.read(model_dir)
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+    return membudget.weights_as_loaded(weights_dir, provenance.dtype_bytes(dtype))
+
+
+def row_of(ctx, name: str, verdict, kind: str, fallback: str | None = None, k: int | None = None,
+           kept: list[str] | None = None) -> dict:
+    """One point of the frontier: what was measured of a candidate or reference."""
+    o = outcome.read(ctx.run_dir.variant(name))
+    s, qr, d = o.systems, o.quantize, verdict.drift if verdict else None
+    weights_dir = Path(qr.checkpoint_dir) if qr else ctx.model_dir
+    gates = {f"{g.metric}[{g.scope}]": {"value": g.measured.value, "ci_low": g.measured.ci_low,
+                                        "ci_high": g.measured.ci_high, "outcome": g.outcome}
+             for g in (verdict.gates if verdict else [])}
+    overall = next((p for p in (verdict.paired if verdict else []) if p.slice == "overall"), None)
+    return {
+        "name": name, "kind": kind, "fallback": fallback, "k": k, "kept": kept or [],
+        "verdict": verdict.verdict if verdict else "FAILED-TO-RUN", "reason": verdict.reason if verdict else o.error,
+        "gates": gates, "checkpoint_bytes": qr.checkpoint_bytes if qr else None,
+        "native_weight_bytes": _native_weight_bytes(weights_dir, ctx.model_dir) if not o.error else None,
+        "kv_tokens": s.kv.tokens if s and s.kv else None,
+        "kv_projected": bool(s and s.kv and s.status == "skipped"),
+        "top1_agreement": d.top1_agreement if d else None, "top1_ci": [d.top1_ci_low, d.top1_ci_high] if d else None,
+        "kl_mean": d.kl_mean if d else None,
+        "accuracy_delta": overall.delta if overall else None,
+        "accuracy_delta_ci": [overall.delta_ci_low, overall.delta_ci_high] if overall else None,
+        "built_now": bool(qr and not qr.cached), "quantize_wall_s": qr.quantize_wall_s if qr else None,
+    }
+
+
+def _judge(ctx, manifest: dict, v: VariantSpec):
+    from pipeline.stages.signoff import signoff
+
+    one = ctx.recipe.model_copy(update={"variants": (v,)})
+    results = {n: outcome.read(ctx.run_dir.variant(n)) for n in ("baseline", v.name)}
+    return signoff(one, manifest["recipe_hash"], ctx.run_dir.root, results).variants[0]
+
+
+def _candidate(ctx, manifest: dict, ranked: list[dict], fallback: str, k: int) -> dict:
+    sp = ctx.recipe.search
+    name = candidate_name(fallback, k)
+    kept = [m for r in ranked[:k] for m in r["modules"]]
+    quantized = [m for r in ranked[k:] for m in r["modules"]]
+    llmc = mixed.candidate_recipe(sp.base_scheme, sp.group_size, fallback, quantized, kept, ["lm_head"])
+    path = _llmc_file(llmc)
+    (ctx.run_dir.root / "search" / f"{name}.llmc.yaml").write_text(path.read_text())
+    v = VariantSpec(name=name, scheme="custom", recipe=str(path))
+    if name not in {x.name for x in ctx.recipe.variants}:
+        ctx.recipe = ctx.recipe.model_copy(update={"variants": (*ctx.recipe.variants, v)})
+    say(name, f"search: k = {k}" + (f", keeping {', '.join(r['part'] for r in ranked[:k])} at {fallback}" if k else
+                                    f", every block at {sp.base_scheme} g{sp.group_size or 'channel'}"))
+    runner.run_stage(ctx, name)
+    verdict = _judge(ctx, manifest, v)
+    row = row_of(ctx, name, verdict, "candidate", fallback, k, [r["part"] for r in ranked[:k]])
+    say(name, f"search: {row['verdict']}" + (f" ({row['reason']})" if row["reason"] else "")
+        + (f"; weights {row['native_weight_bytes'] / 2**20:.1f} MiB native" if row["native_weight_bytes"] else ""))
+    return row
+
+
+def choose(rows: list[dict], objective: str) -> dict | None:
+    """The answer: among candidates and references whose gates pass, the least memory (or most KV tokens)."""
+    ok = [r for r in rows if r["verdict"] in PASSING and r["native_weight_bytes"] is not None]
+    if objective == "capacity":
+        ok = [r for r in ok if r["kv_tokens"] is not None]
+        return max(ok, key=lambda r: (r["kv_tokens"], -r["native_weight_bytes"]), default=None)
+    return min(ok, key=lambda r: (r["native_weight_bytes"], r["name"]), default=None)
+
+
+def _ladder(ctx, manifest: dict, ranked: list[dict]) -> list[dict]:
+    sp, rows = ctx.recipe.search, []
+    uniform = None
+    for fallback in sp.fallbacks:
+        tried: dict[int, bool] = {}
+        if uniform is not None:
+            tried[0] = uniform["verdict"] in PASSING
+        while len(rows) < sp.max_builds:
+            guess = first_guess(ranked, uniform and uniform["top1_agreement"], _gate_floor(ctx.recipe, "top1_agreement"))
+            k = next_k(tried, len(ranked), guess)
+            if k is None:
+                break
+            row = _candidate(ctx, manifest, ranked, fallback, k)
+            rows.append(row)
+            tried[k] = row["verdict"] in PASSING
+            uniform = row if k == 0 else uniform
+        if any(t for k, t in tried.items() if k > 0) or (uniform and uniform["verdict"] in PASSING):
+            break
+        if len(rows) >= sp.max_builds:
+            break
+    return rows
+
+
+def search(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
+    with run_lock(Path(recipe.runs_dir), recipe.name, envs.home() / "locks"):
+        return _search(recipe, recipe_path, fresh)
+
+
+def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
+    runner.prepare_environment()
+    t_run, t_epoch = time.perf_counter(), time.time()
+    ctx, manifest = runner.start(recipe, recipe_path, fresh)
+    runner.check_base_fits(ctx, recipe_path)
+    timings = runner.run_local(ctx)  # the baseline and the reference variants
+    if outcome.read(ctx.run_dir.variant("baseline")).error:
+        runner.conclude(ctx, manifest, timings, t_run, t_epoch)
+        return 1
+    t0, spent = time.time(), Spent()
+    try:
+        sens = sensitivity.measure(ctx, spent)
+    finally:
+        outcome.record(ctx.run_dir.root, "search", "sensitivity", t0, spent)
+    ranked = sensitivity.ranked_blocks(sens)
+    t_ladder = time.perf_counter()
+    rows = _ladder(ctx, manifest, ranked)
+    timings["search ladder"] = time.perf_counter() - t_ladder
+    refs = []
+    for v in recipe.variants:
+        refs.append(row_of(ctx, v.name, _judge(ctx, manifest, v), "reference"))
+    answer = choose(rows + refs, recipe.search.objective)
+    summary = _answer(ctx, recipe, recipe_path, ranked, sens, rows, refs, answer)
+    manifest["recipe"] = ctx.recipe.model_dump(mode="json")  # the candidates are the run's variants now
+    headline = (f"SEARCH: FOUND {answer['name']} ({answer['verdict']}), "
+                f"{answer['native_weight_bytes'] / 2**20:.1f} MiB of weights as loaded natively"
+                if answer else f"SEARCH: NONE PASSED in {len(rows)} candidate(s)")
+    runner.conclude(ctx, manifest, timings, t_run, t_epoch, extra={"search": summary}, headline=headline)
+    return 0 if answer else 1
+
+
+def _answer(ctx, recipe: Recipe, recipe_path: Path, ranked, sens, rows, refs, answer) -> dict:
+    """search.json, and the recipe that reproduces the answer as an ordinary variant."""
+    out = ctx.run_dir.root / "search"
+    reproduce = None
+    if answer and answer["kind"] == "candidate":
+        llmc = out / f"{answer['name']}.llmc.yaml"
+        data = yaml.safe_load(Path(recipe_path).read_text())
+        data.pop("search", None)
+        data["name"] = f"{recipe.name}-chosen"
+        data["variants"] = [{"name": answer["name"].removeprefix("search-"), "scheme": "custom",
+                             "recipe": str(llmc.resolve())}]
+        reproduce = out / "chosen-recipe.yaml"
+        reproduce.write_text(f"# {answer['name']}, found by `quantize-eval search {recipe_path}`: keeps "
+                             f"{', '.join(answer['kept']) or 'nothing'} at {answer['fallback']}\n"
+                             + yaml.safe_dump(data, sort_keys=False))
+    sp = recipe.search
+    summary = {
+        "base_scheme": sp.base_scheme, "group_size": sp.group_size, "fallbacks": list(sp.fallbacks),
+        "objective": sp.objective, "max_builds": sp.max_builds, "candidates": len(rows),
+        "built_now": sum(r["built_now"] for r in rows), "answer": answer["name"] if answer else None,
+        "reproduce_recipe": str(reproduce) if reproduce else None,
+        "sensitivity_grid": sens.get("grid"), "sensitivity_tokens": sens.get("tokens"),
+        "ranking": [r["part"] for r in ranked],
+    }
+    write_json(out / "search.json", {**summary, "rows": rows, "references": refs, "sensitivity": sens["rows"]})
+    if answer:
+        say("search", f"answer: {answer['name']}: {answer['native_weight_bytes'] / 2**20:.1f} MiB weights "
+                      f"(native), kept {', '.join(answer['kept']) or 'nothing'}; {len(rows)} candidate(s), "
+                      f"{summary['built_now']} built now" + (f"; reproduce: {reproduce}" if reproduce else ""))
+    else:
+        say("search", f"no candidate passed the gates in {len(rows)} candidate(s) (max_builds {sp.max_builds})")
+    return summary
