@@ -116,14 +116,21 @@ def row_of(ctx, name: str, verdict, kind: str, fallback: str | None = None, k: i
         "verdict": verdict.verdict if verdict else "FAILED-TO-RUN", "reason": verdict.reason if verdict else o.error,
         "gates": gates, "checkpoint_bytes": qr.checkpoint_bytes if qr else None,
         "native_weight_bytes": _native_weight_bytes(weights_dir, ctx.model_dir) if not o.error else None,
-        "kv_tokens": s.kv.tokens if s and s.kv else None,
-        "kv_projected": bool(s and s.kv and s.status == "skipped"),
+        "kv_tokens": kv_tokens(s), "kv_projected": bool(s and s.kv and s.kv.plan and s.kv.plan.projected),
         "top1_agreement": d.top1_agreement if d else None, "top1_ci": [d.top1_ci_low, d.top1_ci_high] if d else None,
         "kl_mean": d.kl_mean if d else None,
         "accuracy_delta": overall.delta if overall else None,
         "accuracy_delta_ci": [overall.delta_ci_low, overall.delta_ci_high] if overall else None,
         "built_now": bool(qr and not qr.cached), "quantize_wall_s": qr.quantize_wall_s if qr else None,
     }
+
+
+def kv_tokens(s) -> int | None:
+    """KV tokens the engine held under the budget, or, for a variant served as dense weights, the tokens
+    its checkpoint's native weights would leave (the projected plan)."""
+    if s is None or s.kv is None:
+        return None
+    return s.kv.tokens if s.kv.tokens is not None else (s.kv.plan.tokens if s.kv.plan else None)
 
 
 def _judge(ctx, manifest: dict, v: VariantSpec):
@@ -164,25 +171,23 @@ def choose(rows: list[dict], objective: str) -> dict | None:
     return min(ok, key=lambda r: (r["native_weight_bytes"], r["name"]), default=None)
 
 
-def _ladder(ctx, manifest: dict, ranked: list[dict]) -> list[dict]:
-    sp, rows = ctx.recipe.search, []
+def ladder(sp, ranked: list[dict], top1_floor: float | None, build) -> list[dict]:
+    """The candidates built, in order: build(fallback, k) -> its row (with "verdict" and
+    "top1_agreement"). Each fallback in turn, until one has a passing k or the cap is reached."""
+    rows: list[dict] = []
     uniform = None
     for fallback in sp.fallbacks:
-        tried: dict[int, bool] = {}
-        if uniform is not None:
-            tried[0] = uniform["verdict"] in PASSING
+        tried: dict[int, bool] = {} if uniform is None else {0: uniform["verdict"] in PASSING}
         while len(rows) < sp.max_builds:
-            guess = first_guess(ranked, uniform and uniform["top1_agreement"], _gate_floor(ctx.recipe, "top1_agreement"))
+            guess = first_guess(ranked, uniform["top1_agreement"] if uniform else None, top1_floor)
             k = next_k(tried, len(ranked), guess)
             if k is None:
                 break
-            row = _candidate(ctx, manifest, ranked, fallback, k)
+            row = build(fallback, k)
             rows.append(row)
             tried[k] = row["verdict"] in PASSING
             uniform = row if k == 0 else uniform
-        if any(t for k, t in tried.items() if k > 0) or (uniform and uniform["verdict"] in PASSING):
-            break
-        if len(rows) >= sp.max_builds:
+        if any(tried.values()) or len(rows) >= sp.max_builds:
             break
     return rows
 
@@ -208,7 +213,8 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
         outcome.record(ctx.run_dir.root, "search", "sensitivity", t0, spent)
     ranked = sensitivity.ranked_blocks(sens)
     t_ladder = time.perf_counter()
-    rows = _ladder(ctx, manifest, ranked)
+    rows = ladder(recipe.search, ranked, _gate_floor(recipe, "top1_agreement"),
+                  lambda fallback, k: _candidate(ctx, manifest, ranked, fallback, k))
     timings["search ladder"] = time.perf_counter() - t_ladder
     refs = []
     for v in recipe.variants:

@@ -24,6 +24,7 @@ from reports.charts import chart_section, pareto
 from reports.html import CSS
 from reports.provenance import provenance_section, schemes_section
 from reports.quality import drift_section, flips_section, heatmap_section, quality_section
+from reports.search import search_banner, search_section
 from reports.systems import admission_section, latency_section, matrix_section, memory_section, roofline_section
 from reports.verdict import gates_section, verdict_section
 from reports.view import Run, read_run
@@ -55,7 +56,11 @@ def collect(run_dir: Path) -> dict:
         variants[name] = {stage: _load(vdir / f"{stage}.json")
                           for stage in ("quantize", "quality", "systems", "error", "support",
                                         "quality.origin", "systems.origin")}
-    return {"schema_version": 1, "manifest": manifest, "signoff": signoff, "variants": variants}
+    out = {"schema_version": 1, "manifest": manifest, "signoff": signoff, "variants": variants}
+    search = _load(run_dir / "search" / "search.json")
+    if search is not None:
+        out["search"] = search
+    return out
 
 
 CSV_COLUMNS = ["variant", "verdict", "slice", "n", "base_acc", "var_acc", "delta", "delta_ci_low",
@@ -96,7 +101,8 @@ def to_csv(data: dict) -> str:
 
 def _body(run: Run) -> str:
     """The sections, in reading order: verdict first, provenance last."""
-    return (verdict_section(run) + tradeoff_section(run) + schemes_section(run) + gates_section(run)
+    return (search_banner(run) + verdict_section(run) + search_section(run) + tradeoff_section(run)
+            + schemes_section(run) + gates_section(run)
             + quality_section(run) + heatmap_section(run) + drift_section(run) + chart_section(run)
             + capacity_section(run) + memory_section(run) + admission_section(run) + latency_section(run) + roofline_section(run)
             + matrix_section(run) + flips_section(run) + provenance_section(run))

@@ -32,6 +32,9 @@ def verdict_section(run: Run) -> str:
     rows = [[escape(v.variant), tag(v.verdict), escape(v.reason or
              ", ".join(f"{g.metric}[{g.scope}] {g.outcome}" for g in v.gates) or "no gates")]
             for v in so.variants]
+    if run.search:  # the search's answer is the banner; this is every candidate's own sign-off
+        return ("<h2>Sign-off of every candidate and reference</h2>"
+                + table(["variant", "verdict", "why"], rows, left=3))
     return (f'<div class="banner {escape(so.verdict)}">VERDICT: {escape(so.verdict)}{rec}</div>'
             + table(["variant", "verdict", "why"], rows, left=3))
 

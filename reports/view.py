@@ -49,6 +49,7 @@ class Run:
     signoff: Signoff | None
     variants: dict[str, Variant]
     run_dir: Path | None = None
+    search: dict | None = None  # RUN/search/search.json of `quantize-eval search`
 
     def paired(self, variant: str) -> dict[str, PairedSlice]:
         """The variant's paired comparisons with the baseline, by slice ('overall' among them)."""
@@ -67,7 +68,7 @@ def read_run(data: dict, run_dir: Path | None = None) -> Run:
             quality=validated(QualityResult, r.get("quality")), systems=validated(SystemsResult, r.get("systems")),
             error=r.get("error"), support=r.get("support"),
             origins={stage: r[f"{stage}.origin"] for stage in ("quality", "systems") if r.get(f"{stage}.origin")})
-    return Run(data["manifest"], validated(Signoff, data.get("signoff")), variants, run_dir)
+    return Run(data["manifest"], validated(Signoff, data.get("signoff")), variants, run_dir, data.get("search"))
 
 
 def validated(model: type[M], raw) -> M | None:

@@ -1,0 +1,126 @@
+"""The search's answer (RUN/search/search.json, written by pipeline/search.py): which candidate, what it
+keeps at higher precision, the frontier of every candidate built with its verdict, and the measured
+sensitivity per block and per Linear kind. Reads search.json only; it judges nothing.
+"""
+
+from __future__ import annotations
+
+from html import escape
+
+from reports.charts import _axes, _figure
+from reports.html import fmt, in_mib, mib, table, tag
+from reports.view import Run
+
+VERDICT_COLOUR = {"PASS": "#116329", "WARN": "#7d4e00", "FAIL": "#cf222e", "UNVERIFIED": "#0a3069"}
+
+
+def search_banner(run: Run) -> str:
+    s = run.search
+    if not s:
+        return ""
+    rows = {r["name"]: r for r in s.get("rows", []) + s.get("references", [])}
+    answer = rows.get(s.get("answer") or "")
+    tried = (f"{s['candidates']} candidate(s) of at most {s['max_builds']} ({s['built_now']} built by this "
+             "invocation, the rest reused from the cache)")
+    if not answer:
+        return (f'<div class="banner FAIL">SEARCH: NONE PASSED — no candidate or reference passed every fail gate; '
+                f'{escape(tried)}</div>')
+    kept = (f"keeps {escape(', '.join(answer['kept']))} at {escape(answer['fallback'])}, every other block at "
+            f"{escape(s['base_scheme'])} g{s['group_size'] or 'channel'}" if answer["kind"] == "candidate"
+            else "a reference variant of the recipe")
+    how = (f"<p>Reproduce it as an ordinary variant: <code>quantize-eval {escape(s['reproduce_recipe'])}</code></p>"
+           if s.get("reproduce_recipe") else "")
+    return (f'<div class="banner {escape(answer["verdict"])}">SEARCH ANSWER: {escape(answer["name"])} — '
+            f'{in_mib(answer["native_weight_bytes"]):.1f} MiB of weights as loaded natively; {kept}</div>'
+            f"<p class='small'>{escape(tried)}; objective: {escape(s['objective'])}. The run's verdict below "
+            "counts every candidate: a failing candidate is the search at work, not a failure of the answer.</p>"
+            + how)
+
+
+def _ci(pair) -> str:
+    return f" [{fmt(pair[0], 3)}, {fmt(pair[1], 3)}]" if pair else ""
+
+
+def search_section(run: Run) -> str:
+    s = run.search
+    if not s:
+        return ""
+    rows = []
+    for r in s.get("rows", []) + s.get("references", []):
+        what = ("reference" if r["kind"] == "reference" else
+                f"k={r['k']}" + (f" at {r['fallback']}: {', '.join(b.rsplit('.', 1)[-1] for b in r['kept'])}"
+                                 if r["k"] else " (uniform)"))
+        kv = fmt(r["kv_tokens"]) + (" (projected)" if r["kv_projected"] else "") if r["kv_tokens"] else "–"
+        rows.append([escape(r["name"]), escape(what), tag(r["verdict"]),
+                     fmt(r["top1_agreement"], 3) + _ci(r.get("top1_ci")), fmt(r["kl_mean"], 5),
+                     fmt(r["accuracy_delta"], 3) + _ci(r.get("accuracy_delta_ci")),
+                     mib(r["native_weight_bytes"]), mib(r["checkpoint_bytes"]), kv,
+                     "built" if r["built_now"] else "cached"])
+    note = ("<p class='small muted'>Every row is a built checkpoint, evaluated and signed off like any variant; "
+            "nothing on this table is extrapolated. Weights as loaded natively: floating-point tensors in the "
+            "model's own dtype, quantized tensors as stored (what a native kernel holds; where this CPU lacks "
+            "the 4-bit kernel the quality was measured on exact dequantized weights and KV tokens are "
+            f"projected). Sensitivity: {escape(str(s.get('sensitivity_grid')))}, one block at a time, on "
+            f"{s.get('sensitivity_tokens')} held-out tokens of the drift corpus; it only chose which k to "
+            "build.</p>")
+    table_html = table(["candidate", "keeps", "verdict", "top-1 [CI]", "KL", "Δ accuracy [CI]", "weights (native)",
+                        "checkpoint", "KV tokens", "build"], rows, left=2)
+    return ("<h2>Search frontier</h2>" + table_html + frontier_chart(s) + sensitivity_chart(s) + note)
+
+
+def frontier_chart(s: dict) -> str:
+    """Top-1 agreement against weights as loaded natively, one dot per built candidate and reference,
+    coloured by verdict."""
+    pts = [(r["name"], in_mib(r["native_weight_bytes"]), r["top1_agreement"], r["verdict"])
+           for r in s.get("rows", []) + s.get("references", [])
+           if r["native_weight_bytes"] and r["top1_agreement"] is not None]
+    if not pts:
+        return ""
+    w, h, pad = 520, 300, 56
+    x0, x1 = min(p[1] for p in pts) * 0.95, max(p[1] for p in pts) * 1.05
+    y0, y1 = min(p[2] for p in pts) - 0.02, min(1.0, max(p[2] for p in pts) + 0.02)
+
+    def sx(x: float) -> float:
+        return pad + (x - x0) / ((x1 - x0) or 1) * (w - 2 * pad)
+
+    def sy(y: float) -> float:
+        return h - pad - (y - y0) / ((y1 - y0) or 1) * (h - 2 * pad)
+
+    dots = "".join(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{VERDICT_COLOUR.get(v, "#57606a")}"/>'
+                   f'<text x="{sx(x) + 8:.1f}" y="{sy(y) - 6:.1f}" font-size="11">{escape(n)}</text>'
+                   for n, x, y, v in pts)
+    axes = (_axes(w, h, pad, "weights as loaded natively (MiB)", "top-1 agreement")
+            + f'<text x="{pad}" y="{h - pad + 16}" font-size="11">{x0:.0f}</text>'
+            f'<text x="{w - pad}" y="{h - pad + 16}" font-size="11" text-anchor="end">{x1:.0f}</text>'
+            f'<text x="{pad - 4}" y="{h - pad}" font-size="11" text-anchor="end">{y0:.2f}</text>'
+            f'<text x="{pad - 4}" y="{pad + 4}" font-size="11" text-anchor="end">{y1:.2f}</text>')
+    return _figure(w, h, "Search frontier", axes + dots,
+                   "Searched frontier: better is up and left; green passes every fail gate, red fails one")
+
+
+def sensitivity_chart(s: dict) -> str:
+    """Mean KL per token when only that part is rounded to the base grid: one bar per block, then per kind."""
+    rows = s.get("sensitivity") or []
+    if not rows:
+        return ""
+    kept = set()
+    answer = next((r for r in s.get("rows", []) if r["name"] == s.get("answer")), None)
+    if answer:
+        kept = set(answer["kept"])
+    w, h, pad, top = 24 + 16 * len(rows) + 60, 240, 48, max(r["kl_mean"] for r in rows) or 1.0
+    bw = 12
+    bars = ""
+    for i, r in enumerate(rows):
+        x = pad + i * 16
+        bh = r["kl_mean"] / top * (h - 2 * pad)
+        colour = "#bf8700" if r["part"] in kept else ("#8250df" if r["kind"] == "kind" else "#0969da")
+        label = r["part"].rsplit(".", 1)[-1]
+        bars += (f'<rect x="{x}" y="{h - pad - bh:.1f}" width="{bw}" height="{bh:.1f}" fill="{colour}">'
+                 f'<title>{escape(r["part"])}: KL {r["kl_mean"]:.5f}, top-1 {r["top1_agreement"]:.3f}</title></rect>'
+                 f'<text x="{x + bw / 2}" y="{h - pad + 12}" font-size="9" text-anchor="end" '
+                 f'transform="rotate(-60 {x + bw / 2} {h - pad + 12})">{escape(label)}</text>')
+    axes = (_axes(w, h, pad, "", "mean KL (nats/token)")
+            + f'<text x="{pad - 4}" y="{pad + 4}" font-size="11" text-anchor="end">{top:.3f}</text>')
+    return _figure(w, h, "Sensitivity per block and Linear kind", axes + bars,
+                   "Sensitivity: mean KL to the baseline when only that block (blue; kept by the answer: amber) or "
+                   "that Linear kind in every block (purple) is rounded to the base grid")

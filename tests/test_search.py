@@ -1,0 +1,217 @@
+"""The search's decisions without an engine: the ladder (bisection under a cap), the answer, the mixed
+llm-compressor recipe, bad `search:` input, and the report's answer banner. The real thing (sensitivity
+in the quantize environment, candidates built and served) is tests/test_search_engine.py."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import mixed
+from pipeline.recipe import RecipeError, load
+from pipeline.recipe_search import SearchSpec
+from pipeline.search import choose, first_guess, ladder, next_k
+from reports.render import render_run
+from tests import minirun
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def ranked(n: int) -> list[dict]:
+    """n blocks, most sensitive first, disagreement falling off geometrically."""
+    return [{"part": f"model.layers.{i}", "kl_mean": 0.05 * 0.8 ** i, "top1_agreement": 1 - 0.04 * 0.8 ** i,
+             "modules": [f"model.layers.{i}.mlp.down_proj"]} for i in range(n)]
+
+
+def oracle(threshold: int, calls: list):
+    """A candidate passes when it keeps at least `threshold` blocks (monotone, as quality is in k)."""
+    def build(fallback: str, k: int) -> dict:
+        calls.append((fallback, k))
+        ok = k >= threshold
+        return {"name": f"k{k}", "verdict": "PASS" if ok else "FAIL", "top1_agreement": 0.77 if k == 0 else 0.9,
+                "native_weight_bytes": 100 + k, "kv_tokens": 1000 - k}
+    return build
+
+
+@pytest.mark.parametrize("threshold", [0, 1, 2, 5, 11, 29, 30])
+def test_ladder_finds_the_smallest_passing_k(threshold):
+    calls: list = []
+    rows = ladder(SearchSpec(max_builds=64), ranked(30), 0.85, oracle(threshold, calls))
+    assert calls[0] == ("w8a16", 0)  # the uniform scheme first
+    best = choose(rows, "memory")
+    assert best["name"] == f"k{threshold}"  # exact: bisection closes on the boundary
+    assert len({k for _, k in calls}) == len(calls)  # never builds the same k twice
+    assert len(calls) <= 12  # uniform + guess + doubling + bisection over 30 blocks
+
+
+def test_ladder_stops_at_the_cap_with_the_best_it_found():
+    calls: list = []
+    rows = ladder(SearchSpec(max_builds=4), ranked(30), 0.85, oracle(7, calls))
+    assert [k for _, k in calls] == [0, 3, 6, 12]  # uniform, the curve's guess, doubling; then the cap
+    assert choose(rows, "memory")["name"] == "k12"  # the best that passed, though k = 7..11 were not tried
+    calls = []
+    rows = ladder(SearchSpec(max_builds=2), ranked(30), 0.85, oracle(31, calls))  # nothing can pass
+    assert len(rows) == 2 and choose(rows, "memory") is None
+
+
+def test_ladder_moves_to_the_next_fallback_only_when_the_first_cannot_pass():
+    calls: list = []
+
+    def build(fallback, k):
+        calls.append((fallback, k))
+        ok = fallback == "unquantized" and k >= 3
+        return {"name": f"{fallback}{k}", "verdict": "PASS" if ok else "FAIL", "top1_agreement": 0.8,
+                "native_weight_bytes": k}
+
+    rows = ladder(SearchSpec(fallbacks=("w8a16", "unquantized"), max_builds=20), ranked(6), 0.85, build)
+    assert [c for c in calls if c[0] == "w8a16"][-1] == ("w8a16", 6)  # w8a16 tried up to every block
+    assert ("unquantized", 0) not in calls  # the uniform candidate is not built twice
+    assert choose(rows, "memory")["name"] == "unquantized3"
+
+
+def test_first_guess_reads_the_curve():
+    r = ranked(30)
+    # uniform top-1 0.77 against a 0.85 floor: the kept blocks must remove ~2/3 of the disagreement
+    k = first_guess(r, 0.77, 0.85)
+    d = [1 - x["top1_agreement"] for x in r]
+    assert 1 - 0.23 * sum(d[k:]) / sum(d) >= 0.86 > 1 - 0.23 * sum(d[k - 1:]) / sum(d)
+    assert first_guess(r, 0.99, 0.85) == 1
+    kl = [x["kl_mean"] for x in r]  # no top-1 gate: half the summed KL
+    k = first_guess(r, None, None)
+    assert sum(kl[:k]) >= sum(kl) / 2 > sum(kl[:k - 1])
+
+
+def test_next_k_bisects_between_largest_fail_and_smallest_pass():
+    assert next_k({}, 30, 5) == 0
+    assert next_k({0: True}, 30, 5) is None  # the uniform scheme passes: nothing cheaper to find
+    assert next_k({0: False}, 30, 5) == 5
+    assert next_k({0: False, 5: False}, 30, 5) == 10
+    assert next_k({0: False, 5: False, 10: True}, 30, 5) == 7
+    assert next_k({0: False, 7: False, 8: True}, 30, 5) is None
+    assert next_k({0: False, 30: False}, 30, 5) is None  # every block kept and still failing
+
+
+def test_choose_by_objective():
+    rows = [{"name": "a", "verdict": "PASS", "native_weight_bytes": 120, "kv_tokens": 900},
+            {"name": "b", "verdict": "WARN", "native_weight_bytes": 110, "kv_tokens": 950},
+            {"name": "c", "verdict": "FAIL", "native_weight_bytes": 90, "kv_tokens": 990},
+            {"name": "d", "verdict": "UNVERIFIED", "native_weight_bytes": 95, "kv_tokens": 980}]
+    assert choose(rows, "memory")["name"] == "b"
+    assert choose(rows, "capacity")["name"] == "b"
+    assert choose(rows[2:], "memory") is None
+
+
+def test_mixed_recipe_puts_each_linear_in_exactly_one_group():
+    names = [f"model.layers.{i}.{m}" for i in range(12) for m in ("self_attn.q_proj", "mlp.down_proj")]
+    kept = [n for n in names if ".layers.1." in n or ".layers.11." in n]
+    rest = [n for n in names if n not in kept]
+    r = mixed.candidate_recipe("gptq_w4a16", 64, "w8a16", rest, kept, ["lm_head"])
+    mod = r["quant_stage"]["quant_modifiers"]["GPTQModifier"]
+    g0, g1 = (re.compile(mod["config_groups"][g]["targets"][0][3:]) for g in ("group_0", "group_1"))
+    assert [n for n in names if g0.match(n)] == rest and [n for n in names if g1.match(n)] == kept
+    assert not g0.match("model.layers.1.self_attn.q_proj.extra") and not g1.match("model.layers.1")
+    assert mod["config_groups"]["group_0"]["weights"]["num_bits"] == 4
+    assert mod["config_groups"]["group_1"]["weights"] == {"num_bits": 8, "type": "int", "symmetric": True,
+                                                          "dynamic": False, "strategy": "channel"}
+    un = mixed.candidate_recipe("awq_w4a16", 64, "unquantized", rest, kept, ["lm_head"])
+    q = un["quant_stage"]["quant_modifiers"]["QuantizationModifier"]
+    assert "AWQModifier" in un["quant_stage"]["quant_modifiers"] and set(q["ignore"]) == {"lm_head", *kept}
+    assert list(q["config_groups"]) == ["group_0"] and q["config_groups"]["group_0"]["weights"]["symmetric"] is False
+
+
+def _search_recipe(tmp_path: Path, **search) -> Path:
+    d = yaml.safe_load((ROOT / "recipes" / "search.yaml").read_text())
+    d["search"].update(search)
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
+@pytest.mark.parametrize("search,field", [
+    ({"fallbacks": ["w8a8_int8"]}, "search.fallbacks: w8a8_int8 is not offered per block"),
+    ({"fallbacks": ["int3"]}, "search.fallbacks: unknown fallback 'int3'"),
+    ({"base_scheme": "fp8_block"}, "search.base_scheme"),
+    ({"max_builds": 0}, "search.max_builds"),
+    ({"group_size": 48}, "search.group_size"),
+    ({"objective": "speed"}, "search.objective"),
+    ({"sensitivty": {}}, "search.sensitivty"),
+])
+def test_bad_search_input_names_the_field(tmp_path, search, field):
+    with pytest.raises(RecipeError, match=re.escape(field)):
+        load(_search_recipe(tmp_path, **search))
+
+
+def test_search_needs_a_fail_gate(tmp_path):
+    d = yaml.safe_load((ROOT / "recipes" / "search.yaml").read_text())
+    d["gates"] = [{**g, "severity": "warn"} for g in d["gates"]]
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(d))
+    with pytest.raises(RecipeError, match="search: needs at least one gate of severity fail"):
+        load(p)
+
+
+def test_cli_exits_2_naming_the_field(tmp_path):
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "QUANTIZE_EVAL_HOME": str(tmp_path / "home")}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+                              cwd=tmp_path, env=env, timeout=120)
+
+    bad = _search_recipe(tmp_path, max_builds=-1)
+    for cmd in ("search", "validate"):
+        proc = cli(cmd, str(bad))
+        assert proc.returncode == 2 and "search.max_builds" in proc.stderr and proc.stderr.count("\n") == 1
+    proc = cli("search", str(ROOT / "recipes" / "awq.yaml"))
+    assert proc.returncode == 2 and "search: this recipe has no search section" in proc.stderr
+    d = yaml.safe_load((ROOT / "recipes" / "search.yaml").read_text())
+    d["variants"] = []
+    only = tmp_path / "only.yaml"
+    only.write_text(yaml.safe_dump(d))
+    proc = cli("run", str(only))
+    assert proc.returncode == 2 and "quantize-eval search" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def _search_json(answer: str | None) -> dict:
+    row = {"name": "search-w8a16-k03", "kind": "candidate", "fallback": "w8a16", "k": 3,
+           "kept": ["model.layers.11", "model.layers.12", "model.layers.2"], "verdict": "PASS", "reason": "",
+           "gates": {}, "checkpoint_bytes": 120 * 2**20, "native_weight_bytes": 118 * 2**20, "kv_tokens": 9000,
+           "kv_projected": True, "top1_agreement": 0.87, "top1_ci": [0.86, 0.88], "kl_mean": 0.03,
+           "accuracy_delta": -0.01, "accuracy_delta_ci": [-0.03, 0.01], "built_now": True, "quantize_wall_s": 50}
+    uniform = {**row, "name": "search-uniform", "k": 0, "kept": [], "verdict": "FAIL", "top1_agreement": 0.78,
+               "native_weight_bytes": 110 * 2**20}
+    rows = [uniform, row] if answer else [uniform]
+    return {"base_scheme": "gptq_w4a16", "group_size": 64, "fallbacks": ["w8a16"], "objective": "memory",
+            "max_builds": 6, "candidates": len(rows), "built_now": len(rows), "answer": answer,
+            "reproduce_recipe": "/runs/x/search/chosen-recipe.yaml" if answer else None,
+            "sensitivity_grid": "int4 sym g64, round to nearest", "sensitivity_tokens": 2044,
+            "ranking": ["model.layers.11"], "rows": rows, "references": [],
+            "sensitivity": [{"kind": "block", "part": f"model.layers.{i}", "kl_mean": 0.01 * (i + 1),
+                             "top1_agreement": 0.95, "modules": [], "params": 1} for i in range(3)]}
+
+
+@pytest.mark.parametrize("answer", ["search-w8a16-k03", None])
+def test_report_leads_with_the_answer_not_the_candidates_verdict(tmp_path, answer):
+    import json
+
+    r = minirun.recipe()
+    root = minirun.make_run(tmp_path / "run", r, {"piqa": [1, 0] * 50}, {"piqa": [1, 0] * 50})
+    (root / "signoff.json").write_text(json.dumps({
+        "recipe": "awq", "recipe_hash": "h", "verdict": "FAIL", "exit_code": 1, "variants": [
+            {"variant": "v4", "verdict": "FAIL", "reason": "top1_agreement[overall] FAIL"}]}))
+    (root / "search").mkdir()
+    (root / "search" / "search.json").write_text(json.dumps(_search_json(answer)))
+    html = render_run(root).read_text()
+    assert "VERDICT: FAIL" not in html  # the candidates' verdict is a table here, not the banner
+    if answer:
+        assert 'class="banner PASS">SEARCH ANSWER: search-w8a16-k03 — 118.0 MiB' in html
+        assert "model.layers.11, model.layers.12, model.layers.2 at w8a16" in html
+        assert "chosen-recipe.yaml" in html and "Search frontier" in html
+    else:
+        assert 'class="banner FAIL">SEARCH: NONE PASSED' in html
+    assert json.loads((root / "results.json").read_text())["search"]["answer"] == answer
