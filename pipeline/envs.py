@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,6 +158,17 @@ def run_module(kind: str, module: str, args: list[str], log: Path, timeout: floa
     if proc.returncode != 0:
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
         raise RuntimeError(f"{what} failed (exit {proc.returncode}): {' '.join(tail)[-300:]} (log: {log})")
+
+
+def run_quantize_env(module: str, args: list[str], log: Path, timeout: float, what: str, spent,
+                     hint: str = "", label: str = "") -> None:
+    """A worker under the quantize environment (run_module); its wall time is charged to
+    `spent.quantizer_s` (pipeline/outcome.Spent), finished or not."""
+    t0 = time.perf_counter()
+    try:
+        run_module("quantize", module, args, log, timeout, what, hint=hint, label=label)
+    finally:
+        spent.quantizer_s += time.perf_counter() - t0
 
 
 if __name__ == "__main__":

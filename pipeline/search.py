@@ -107,6 +107,9 @@ def row_of(ctx, name: str, verdict, kind: str, fallback: str | None = None, k: i
     o = outcome.read(ctx.run_dir.variant(name))
     s, qr, d = o.systems, o.quantize, verdict.drift if verdict else None
     weights_dir = Path(qr.checkpoint_dir) if qr else ctx.model_dir
+    # served from the base weights as they are (a KV-cache-only variant); bitsandbytes NF4, quantized by
+    # the engine at load, has no checkpoint to count and is left without a figure
+    base_weights = any(v.name == name and v.scheme == "none" for v in ctx.recipe.variants)
     gates = {f"{g.metric}[{g.scope}]": {"value": g.measured.value, "ci_low": g.measured.ci_low,
                                         "ci_high": g.measured.ci_high, "outcome": g.outcome}
              for g in (verdict.gates if verdict else [])}
@@ -115,7 +118,7 @@ def row_of(ctx, name: str, verdict, kind: str, fallback: str | None = None, k: i
         "name": name, "kind": kind, "fallback": fallback, "k": k, "kept": kept or [],
         "verdict": verdict.verdict if verdict else "FAILED-TO-RUN", "reason": verdict.reason if verdict else o.error,
         "gates": gates, "checkpoint_bytes": qr.checkpoint_bytes if qr else None,
-        "native_weight_bytes": _native_weight_bytes(weights_dir, ctx.model_dir) if not o.error else None,
+        "native_weight_bytes": _native_weight_bytes(weights_dir, ctx.model_dir) if qr or base_weights else None,
         "kv_tokens": kv_tokens(s), "kv_projected": bool(s and s.kv and s.kv.plan and s.kv.plan.projected),
         "top1_agreement": d.top1_agreement if d else None, "top1_ci": [d.top1_ci_low, d.top1_ci_high] if d else None,
         "kl_mean": d.kl_mean if d else None,
@@ -219,15 +222,17 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
     rows = ladder(recipe.search, ranked, _gate_floor(recipe, "top1_agreement"),
                   lambda fallback, k: _candidate(ctx, manifest, ranked, fallback, k))
     timings["search ladder"] = time.perf_counter() - t_ladder
-    refs = []
-    for v in recipe.variants:
-        refs.append(row_of(ctx, v.name, _judge(ctx, manifest, v), "reference"))
-    answer = choose(rows + refs, recipe.search.objective)
-    summary = _answer(ctx, recipe, recipe_path, ranked, sens, rows, refs, answer)
     manifest["recipe"] = ctx.recipe.model_dump(mode="json")  # the candidates are the run's variants now
-    headline = (f"SEARCH: FOUND {answer['name']} ({answer['verdict']}), "
-                f"{answer['native_weight_bytes'] / 2**20:.1f} MiB of weights as loaded natively"
-                if answer else f"SEARCH: NONE PASSED in {len(rows)} candidate(s)")
+    try:
+        refs = [row_of(ctx, v.name, _judge(ctx, manifest, v), "reference") for v in recipe.variants]
+        answer = choose(rows + refs, recipe.search.objective)
+        summary = _answer(ctx, recipe, recipe_path, ranked, sens, rows, refs, answer)
+        headline = (f"SEARCH: FOUND {answer['name']} ({answer['verdict']}), "
+                    f"{answer['native_weight_bytes'] / 2**20:.1f} MiB of weights as loaded natively"
+                    if answer else f"SEARCH: NONE PASSED in {len(rows)} candidate(s)")
+    except Exception as exc:  # noqa: BLE001 - every candidate is measured and stored: still sign them off
+        answer, summary = None, {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        headline = f"SEARCH: NO ANSWER (the summary failed: {summary['error']}); each candidate's verdict follows"
     runner.conclude(ctx, manifest, timings, t_run, t_epoch, extra={"search": summary}, headline=headline)
     return 0 if answer else 1
 

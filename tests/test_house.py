@@ -12,7 +12,7 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 # stage modules each measure one thing; only evaluate.py (one engine start) calls the three
 # that share its engine
-STAGES = {"quantize", "quality", "systems", "admission", "signoff", "evaluate"}
+STAGES = {"quantize", "quality", "systems", "admission", "signoff", "evaluate", "reserve", "sensitivity"}
 MAY_CALL = {"evaluate": {"quality", "systems", "admission"}}
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 from pipeline import assets, checkpoints, envs, keys, provenance
@@ -24,16 +23,6 @@ from pipeline.runstore import atomic_dir, hash_obj, read_result, weight_bytes, w
 from pipeline.schemes import W4_SCHEMES
 
 NOISE = ("No accelerator available",)
-
-
-def run_quantize_env(module: str, args: list[str], log: Path, timeout: float, what: str, spent,
-                     hint: str = "", label: str = "") -> None:
-    """A worker under the quantize environment; its wall time is charged to `spent.quantizer_s`."""
-    t0 = time.perf_counter()
-    try:
-        envs.run_module("quantize", module, args, log, timeout, what, hint=hint, label=label)
-    finally:
-        spent.quantizer_s += time.perf_counter() - t0
 
 
 def _spec(recipe, v, model_dir: Path, out: Path, dense_out: Path | None) -> dict:
@@ -65,7 +54,7 @@ def _build(recipe, v, model_dir: Path, vdir: Path, ckpt: Path, also_dense: bool,
         (vdir / "quantize-spec.json").write_text(json.dumps(spec, indent=2))
         say(v.name, f"quantize: {_describe(recipe, v)}")
         (vdir / "quantize-worker.json").unlink(missing_ok=True)
-        run_quantize_env("pipeline.engines.quantize_worker",
+        envs.run_quantize_env("pipeline.engines.quantize_worker",
                          [str(vdir / "quantize-spec.json"), str(vdir / "quantize-worker.json")],
                          vdir / "quantize.log", recipe.calibration.timeout_s, "quantization", spent,
                          hint=" (calibration.timeout_s)", label=v.name)
@@ -131,7 +120,7 @@ def dense_copy(qr: QuantizeResult, vdir: Path, spent) -> Path:
     if (out / "config.json").exists():
         return out
     with atomic_dir(out) as tmp:
-        run_quantize_env("pipeline.engines.dequantize_worker", [qr.checkpoint_dir, str(tmp)],
+        envs.run_quantize_env("pipeline.engines.dequantize_worker", [qr.checkpoint_dir, str(tmp)],
                          vdir / "dequantize.log", 3600, "dequantization", spent, label=qr.variant)
     return out
 

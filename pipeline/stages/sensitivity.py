@@ -16,7 +16,6 @@ from pathlib import Path
 from pipeline import drift, envs, keys, schemes, suites
 from pipeline.console import say
 from pipeline.runstore import hash_obj, write_json
-from pipeline.stages.quantize import run_quantize_env
 
 WORKER = keys.PIPELINE / "engines" / "sensitivity_worker.py"
 KEY_VERSION = 1
@@ -58,7 +57,7 @@ def measure(ctx, spent, threads: int = 0) -> dict:
                       f"tokens, one part at a time, {base.weight_bits}-bit g{sp.group_size or 'channel'} grid")
         tmp = out_dir / "sensitivity-worker.json"
         tmp.unlink(missing_ok=True)
-        run_quantize_env("pipeline.engines.sensitivity_worker", [str(out_dir / "sensitivity-spec.json"), str(tmp)],
+        envs.run_quantize_env("pipeline.engines.sensitivity_worker", [str(out_dir / "sensitivity-spec.json"), str(tmp)],
                          out_dir / "sensitivity.log", recipe.calibration.timeout_s, "sensitivity", spent,
                          label="search")
         result = json.loads(tmp.read_text())
