@@ -51,6 +51,23 @@ def check_model_limits(recipe: Recipe, recipe_path: Path, model_dir: Path) -> No
                                  f"divisor (e.g. {_divisor(d)}) or null for per-channel")
 
 
+def check_search(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
+    """The sensitivity windows fit the model's context and the drift corpus before the suite's own windows."""
+    if recipe.search is None:
+        return
+    from pipeline.stages import sensitivity
+
+    s = recipe.search.sensitivity
+    limit = modelcfg.text_config(modelcfg.read(model_dir)).get("max_position_embeddings")
+    if limit and s.window_tokens > limit:
+        raise PreflightError(f"{recipe_path}: search.sensitivity.window_tokens: {s.window_tokens} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+    try:
+        sensitivity.windows(recipe, model_dir)
+    except ValueError as exc:
+        raise PreflightError(f"{recipe_path}: {exc}") from None
+
+
 def _base_plan(recipe: Recipe, model_dir: Path):
     """The base model's pool plan under the recipe's budget, with the reserve this host measured before
     (or none yet); None when not in budget mode or the config lacks the attention shapes."""
@@ -201,6 +218,7 @@ def for_validate(recipe: Recipe, recipe_path: Path) -> str | None:
     else:
         model_dir = Path(recipe.model.path).resolve()
     check_model_limits(recipe, recipe_path, model_dir)
+    check_search(recipe, recipe_path, model_dir)
     check_disk(recipe, model_dir)
     check_budget(recipe, recipe_path, model_dir)
     check_runs_dir(recipe, recipe_path)
@@ -231,6 +249,7 @@ def check_architecture(model_dir: Path) -> None:
 
 def preflight(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
     check_model_limits(recipe, recipe_path, model_dir)
+    check_search(recipe, recipe_path, model_dir)
     check_disk(recipe, model_dir)
     check_budget(recipe, recipe_path, model_dir)
     fetch_data(recipe, recipe_path)

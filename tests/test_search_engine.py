@@ -142,3 +142,21 @@ def test_widening_the_search_reuses_every_candidate(searched):
     chosen = yaml.safe_load(Path(s["reproduce_recipe"]).read_text())
     assert "search" not in chosen and chosen["variants"][0]["scheme"] == "custom"
     assert Path(chosen["variants"][0]["recipe"]).is_file()
+
+
+def test_validate_checks_the_sensitivity_windows_against_the_corpus(tmp_path):
+    model = tinymodel.build(tmp_path / "tiny", seed=0)
+    d = {"schema_version": 1, "name": "w", "model": {"path": str(model)}, "engine": {"max_model_len": 512},
+         "search": {"sensitivity": {"windows": 200, "window_tokens": 1024}},
+         "gates": [{"metric": "top1_agreement", "op": ">=", "threshold": 0.9}],
+         "quality": {"suites": ["drift"], "drift": {"windows": 2, "window_tokens": 256}}}
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump(d))
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "validate", str(path)], capture_output=True,
+                          text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert proc.returncode == 2 and "search.sensitivity:" in proc.stderr and "too few for 200 windows" in proc.stderr
+    d["search"]["sensitivity"] = {"windows": 2, "window_tokens": 4096}  # beyond the tiny model's 2048 positions
+    path.write_text(yaml.safe_dump(d))
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "validate", str(path)], capture_output=True,
+                          text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert proc.returncode == 2 and "search.sensitivity.window_tokens: 4096" in proc.stderr
