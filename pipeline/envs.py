@@ -140,15 +140,34 @@ def ensure_extra(name: str) -> None:
         marker.write_text(req.read_text())
 
 
+def log_counter(log: Path, pattern: str):
+    """(done, total) from the last line of `log` matching `pattern` (two groups), for a heartbeat."""
+    import re
+
+    rx = re.compile(pattern)
+
+    def count() -> tuple[int, int] | None:
+        try:
+            with open(log, "rb") as f:
+                f.seek(max(0, f.seek(0, 2) - 8192))
+                tail = f.read().decode(errors="replace")
+        except OSError:
+            return None
+        hits = rx.findall(tail)
+        return (int(hits[-1][0]), int(hits[-1][1])) if hits else None
+    return count
+
+
 def run_module(kind: str, module: str, args: list[str], log: Path, timeout: float, what: str,
-               hint: str = "", label: str = "") -> None:
+               hint: str = "", label: str = "", count_pattern: str | None = None, unit: str = "") -> None:
     """Run `python -m module args` in this repo under the `kind` environment, output to `log`, with a
-    heartbeat while it runs. Raises RuntimeError naming `what`, the exit code or timeout, the log's
-    last line and path."""
+    heartbeat while it runs (done/total when the log's lines match `count_pattern`). Raises
+    RuntimeError naming `what`, the exit code or timeout, the log's last line and path."""
     from pipeline.progress import Heartbeat
 
     root = str(ROOT)
-    with open(log, "w") as f, Heartbeat(what, label):
+    counter = log_counter(log, count_pattern) if count_pattern else None
+    with open(log, "w") as f, Heartbeat(what, label, count=counter, unit=unit):
         try:
             proc = subprocess.run([str(ensure(kind)), "-m", module, *args], cwd=root, stdout=f,
                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -161,12 +180,12 @@ def run_module(kind: str, module: str, args: list[str], log: Path, timeout: floa
 
 
 def run_quantize_env(module: str, args: list[str], log: Path, timeout: float, what: str, spent,
-                     hint: str = "", label: str = "") -> None:
+                     hint: str = "", label: str = "", **count) -> None:
     """A worker under the quantize environment (run_module); its wall time is charged to
     `spent.quantizer_s` (pipeline/outcome.Spent), finished or not."""
     t0 = time.perf_counter()
     try:
-        run_module("quantize", module, args, log, timeout, what, hint=hint, label=label)
+        run_module("quantize", module, args, log, timeout, what, hint=hint, label=label, **count)
     finally:
         spent.quantizer_s += time.perf_counter() - t0
 

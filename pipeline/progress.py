@@ -91,16 +91,22 @@ class Progress:
 
 
 class Heartbeat:
-    """For a step that runs in a subprocess with no count to show: elapsed time, every `every` s."""
+    """For a step that runs in a subprocess: elapsed time every `every` s, or done/total, rate and ETA
+    when `count` (polled) returns (done, total), e.g. read from the subprocess's log."""
 
-    def __init__(self, what: str, label: str = "", every: float = 10.0, stream=None):
+    def __init__(self, what: str, label: str = "", every: float = 10.0, stream=None,
+                 count: Callable[[], tuple[int, int] | None] | None = None, unit: str = ""):
         self.progress = Progress(what, None, "", label, every, stream)
+        self.count, self.unit = count, unit
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(1.0 if self.progress.tty else self.progress.every):
-            self.progress.update(0)
+            seen = self.count() if self.count else None
+            if seen:
+                self.progress.total, self.progress.unit = seen[1], self.unit
+            self.progress.update(seen[0] if seen else 0)
 
     def __enter__(self) -> Heartbeat:
         self._thread.start()

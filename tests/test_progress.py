@@ -70,3 +70,18 @@ def test_a_step_without_a_count_still_says_it_is_alive(monkeypatch):
         time.sleep(1.0)
     lines = out.getvalue().splitlines()
     assert 2 <= len(lines) <= 4 and all("awq | quantization: " in ln and "s so far" in ln for ln in lines)
+
+
+def test_a_subprocess_step_shows_done_total_read_from_its_log(monkeypatch, tmp_path):
+    from pipeline.envs import log_counter
+
+    monkeypatch.delenv(progress.QUIET_ENV, raising=False)
+    log = tmp_path / "sensitivity.log"
+    log.write_text("loading\nsensitivity 1/37 model.layers.0: KL 0.01\nsensitivity 12/37 model.layers.11: KL 0.03\n")
+    out = io.StringIO()
+    with Heartbeat("sensitivity", "search", every=0.3, stream=out,
+                   count=log_counter(log, r"sensitivity (\d+)/(\d+) "), unit="parts"):
+        time.sleep(1.0)
+    lines = out.getvalue().splitlines()
+    assert lines and all("search | sensitivity: 12/37 parts (32%)" in ln and "ETA" in ln for ln in lines)
+    assert log_counter(tmp_path / "missing.log", r"(\d+)/(\d+)")() is None

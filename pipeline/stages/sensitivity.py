@@ -58,8 +58,8 @@ def measure(ctx, spent, threads: int = 0) -> dict:
         tmp = out_dir / "sensitivity-worker.json"
         tmp.unlink(missing_ok=True)
         envs.run_quantize_env("pipeline.engines.sensitivity_worker", [str(out_dir / "sensitivity-spec.json"), str(tmp)],
-                         out_dir / "sensitivity.log", recipe.calibration.timeout_s, "sensitivity", spent,
-                         label="search")
+                              out_dir / "sensitivity.log", recipe.calibration.timeout_s, "sensitivity", spent,
+                              label="search", count_pattern=r"sensitivity (\d+)/(\d+) ", unit="parts")
         result = json.loads(tmp.read_text())
         write_json(cache, {**result, "key": key})
         tmp.unlink()
