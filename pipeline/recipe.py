@@ -19,7 +19,7 @@ from pydantic import AfterValidator, Field, ValidationError, field_validator, mo
 from pipeline import metrics, schemes, suitetable
 from pipeline.recipe_files import RecipeError, check_import, check_llmc_recipe, check_model_dir, one_line, read_mapping
 from pipeline.recipe_files import check_checkpoint_dir as check_checkpoint_dir  # re-exported for callers
-from pipeline.recipe_search import SearchSpec
+from pipeline.recipe_search import SearchSpec, group_size_rule
 from pipeline.recipe_serving import DEFAULT_BUDGET_GIB as DEFAULT_BUDGET_GIB  # re-exported
 from pipeline.recipe_serving import CellSpec as CellSpec  # re-exported
 from pipeline.recipe_serving import EngineSpec, Strict, WorkloadSpec
@@ -75,12 +75,7 @@ class VariantSpec(Strict):
     smoothing_strength: float = Field(
         0.8, gt=0, lt=1, description="w8a8_int8: SmoothQuant migration strength.")
 
-    @field_validator("group_size")
-    @classmethod
-    def _group(cls, v: int | None) -> int | None:
-        if v is not None and (v < 16 or v & (v - 1)):
-            raise ValueError("group_size must be a power of two >= 16, or null for per-channel")
-        return v
+    _group = field_validator("group_size")(classmethod(lambda cls, v: group_size_rule(v)))
 
     @field_validator("name")
     @classmethod

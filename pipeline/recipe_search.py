@@ -20,6 +20,13 @@ FALLBACKS = ("w8a16", "unquantized")
 FALLBACK_BITS = {"w8a16": 8, "unquantized": 16}
 
 
+def group_size_rule(v: int | None) -> int | None:
+    """A 4-bit weight group: a power of two >= 16, or None for per channel (variants and the search)."""
+    if v is not None and (v < 16 or v & (v - 1)):
+        raise ValueError("group_size must be a power of two >= 16, or null for per-channel")
+    return v
+
+
 class SensitivitySpec(Strict):
     """How sensitivity is measured: drift-corpus windows held out from the drift suite's own windows."""
 
@@ -47,12 +54,7 @@ class SearchSpec(Strict):
                             "scheme counts as one); the search stops there and reports the best that passed.")
     sensitivity: SensitivitySpec = SensitivitySpec()
 
-    @field_validator("group_size")
-    @classmethod
-    def _group(cls, v: int | None) -> int | None:
-        if v is not None and (v < 16 or v & (v - 1)):
-            raise ValueError("group_size must be a power of two >= 16, or null for per-channel")
-        return v
+    _group = field_validator("group_size")(classmethod(lambda cls, v: group_size_rule(v)))
 
     @field_validator("fallbacks")
     @classmethod
