@@ -140,8 +140,9 @@ def ensure_extra(name: str) -> None:
         marker.write_text(req.read_text())
 
 
-def log_counter(log: Path, pattern: str):
-    """(done, total) from the last line of `log` matching `pattern` (two groups), for a heartbeat."""
+def log_counter(log: Path, pattern: str, total: int | None = None):
+    """(done, total) from the last match of `pattern` in `log`, for a heartbeat: two groups (done,
+    total), or with `total` given one group, the 0-based index of the part in progress."""
     import re
 
     rx = re.compile(pattern)
@@ -154,19 +155,22 @@ def log_counter(log: Path, pattern: str):
         except OSError:
             return None
         hits = rx.findall(tail)
-        return (int(hits[-1][0]), int(hits[-1][1])) if hits else None
+        if not hits:
+            return None
+        return (int(hits[-1]), total) if total else (int(hits[-1][0]), int(hits[-1][1]))
     return count
 
 
 def run_module(kind: str, module: str, args: list[str], log: Path, timeout: float, what: str,
-               hint: str = "", label: str = "", count_pattern: str | None = None, unit: str = "") -> None:
+               hint: str = "", label: str = "", count_pattern: str | None = None, unit: str = "",
+               count_total: int | None = None) -> None:
     """Run `python -m module args` in this repo under the `kind` environment, output to `log`, with a
     heartbeat while it runs (done/total when the log's lines match `count_pattern`). Raises
     RuntimeError naming `what`, the exit code or timeout, the log's last line and path."""
     from pipeline.progress import Heartbeat
 
     root = str(ROOT)
-    counter = log_counter(log, count_pattern) if count_pattern else None
+    counter = log_counter(log, count_pattern, count_total) if count_pattern else None
     with open(log, "w") as f, Heartbeat(what, label, count=counter, unit=unit):
         try:
             proc = subprocess.run([str(ensure(kind)), "-m", module, *args], cwd=root, stdout=f,

@@ -85,3 +85,6 @@ def test_a_subprocess_step_shows_done_total_read_from_its_log(monkeypatch, tmp_p
     lines = out.getvalue().splitlines()
     assert lines and all("search | sensitivity: 12/37 parts (32%)" in ln and "ETA" in ln for ln in lines)
     assert log_counter(tmp_path / "missing.log", r"(\d+)/(\d+)")() is None
+    log.write_text("Quantizing 1 module(s): ['model.layers.6.mlp.up_proj']\n"
+                   "Quantizing 1 module(s): ['model.layers.7.self_attn.q_proj']\nGPTQ | METRIC - error 3.1\n")
+    assert log_counter(log, r"\.layers\.(\d+)\.", 30)() == (7, 30)  # the quantize worker's layers

@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from pipeline import assets, checkpoints, envs, keys, provenance
+from pipeline import assets, checkpoints, envs, keys, modelcfg, provenance
 from pipeline.console import say
 from pipeline.recipe_files import EXAMPLE
 from pipeline.results import QuantizeResult
@@ -46,6 +46,10 @@ def _describe(recipe, v) -> str:
     return f"{what} on {recipe.calibration.num_samples}x{recipe.calibration.max_seq_len} calibration tokens"
 
 
+def _layers(model_dir: Path) -> int | None:
+    return modelcfg.text_config(modelcfg.read(model_dir)).get("num_hidden_layers")
+
+
 def _build(recipe, v, model_dir: Path, vdir: Path, ckpt: Path, also_dense: bool, spent) -> dict:
     """Run the worker into fresh folders (the checkpoint, and its dense copy when the engine will
     need one: written while the worker is up); the worker's facts."""
@@ -55,9 +59,11 @@ def _build(recipe, v, model_dir: Path, vdir: Path, ckpt: Path, also_dense: bool,
         say(v.name, f"quantize: {_describe(recipe, v)}")
         (vdir / "quantize-worker.json").unlink(missing_ok=True)
         envs.run_quantize_env("pipeline.engines.quantize_worker",
-                         [str(vdir / "quantize-spec.json"), str(vdir / "quantize-worker.json")],
-                         vdir / "quantize.log", recipe.calibration.timeout_s, "quantization", spent,
-                         hint=" (calibration.timeout_s)", label=v.name)
+                              [str(vdir / "quantize-spec.json"), str(vdir / "quantize-worker.json")],
+                              vdir / "quantize.log", recipe.calibration.timeout_s, "quantization", spent,
+                              hint=" (calibration.timeout_s)", label=v.name, unit="layers",
+                              # llm-compressor names each layer it works on (sequential pipelines)
+                              count_pattern=r"\.layers\.(\d+)\.", count_total=_layers(model_dir))
         if not (vdir / "quantize-worker.json").exists():
             raise RuntimeError(f"quantization wrote no result; log: {vdir / 'quantize.log'}")
         facts = json.loads((vdir / "quantize-worker.json").read_text())
@@ -121,7 +127,7 @@ def dense_copy(qr: QuantizeResult, vdir: Path, spent) -> Path:
         return out
     with atomic_dir(out) as tmp:
         envs.run_quantize_env("pipeline.engines.dequantize_worker", [qr.checkpoint_dir, str(tmp)],
-                         vdir / "dequantize.log", 3600, "dequantization", spent, label=qr.variant)
+                              vdir / "dequantize.log", 3600, "dequantization", spent, label=qr.variant)
     return out
 
 
