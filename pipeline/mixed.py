@@ -25,11 +25,13 @@ def candidate_recipe(base_scheme: str, group_size: int | None, fallback: str, qu
     base scheme, `kept` at `fallback` (w8a16: 8-bit symmetric per-channel weights; unquantized: ignored),
     `ignore` (e.g. lm_head) untouched. With nothing kept it is the uniform base scheme."""
     s = schemes.SCHEMES[base_scheme]
+    if not quantized and fallback != "w8a16":
+        raise ValueError("every module kept unquantized is the base model, not a candidate")
     groups = {"group_0": {"targets": [names_regex(quantized)],
-                          "weights": weight_args(s.weight_bits, group_size, s.symmetric)}}
+                          "weights": weight_args(s.weight_bits, group_size, s.symmetric)}} if quantized else {}
     skip = list(ignore)
     if kept and fallback == "w8a16":
-        groups["group_1"] = {"targets": [names_regex(kept)], "weights": weight_args(8, None, True)}
+        groups[f"group_{len(groups)}"] = {"targets": [names_regex(kept)], "weights": weight_args(8, None, True)}
     elif kept and fallback == "unquantized":
         skip += sorted(kept)
     elif kept:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.recipe_serving import Strict
 
@@ -33,7 +33,7 @@ class SensitivitySpec(Strict):
     windows: int = Field(4, ge=1, le=256, description="Token windows of the drift corpus scored per part.")
     window_tokens: int = Field(512, ge=16, le=8192, description="Tokens per window.")
     kinds: bool = Field(True, description="Also measure each Linear kind (every q_proj, every down_proj, ...) "
-                        "across all blocks, for the report; candidates keep whole blocks.")
+                        "across all blocks: shown in the report, and candidates of units: blocks_and_kinds keep them.")
 
 
 class SearchSpec(Strict):
@@ -47,12 +47,22 @@ class SearchSpec(Strict):
     fallbacks: tuple[str, ...] = Field(
         ("w8a16",), min_length=1, description="Precisions a kept block may take, cheapest first: "
         + ", ".join(FALLBACKS) + ". The search tries them in this order and stops at the first that passes.")
+    units: Literal["blocks", "blocks_and_kinds"] = Field(
+        "blocks_and_kinds", description="What a candidate keeps at the fallback: whole decoder blocks, or blocks "
+        "and Linear kinds (every v_proj, every down_proj, ...), each ranked by its measured sensitivity per weight "
+        "it would keep (a kind often costs less and matters more than a block); parts that overlap count once.")
     objective: Literal["memory", "capacity"] = Field(
         "memory", description="memory: the smallest weights as loaded (as a native kernel holds them, in "
         "the model's dtype); capacity: the most KV tokens under engine.memory_budget_gib.")
     max_builds: int = Field(6, ge=1, le=64, description="Cap on candidate checkpoints built (the uniform base "
                             "scheme counts as one); the search stops there and reports the best that passed.")
     sensitivity: SensitivitySpec = SensitivitySpec()
+
+    @model_validator(mode="after")
+    def _kinds_measured(self) -> SearchSpec:
+        if self.units == "blocks_and_kinds" and not self.sensitivity.kinds:
+            raise ValueError("units: blocks_and_kinds needs sensitivity.kinds: true (the kinds must be measured)")
+        return self
 
     _group = field_validator("group_size")(classmethod(lambda cls, v: group_size_rule(v)))
 

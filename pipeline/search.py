@@ -144,11 +144,25 @@ def _judge(ctx, manifest: dict, v: VariantSpec):
     return signoff(one, manifest["recipe_hash"], ctx.run_dir.root, results).variants[0]
 
 
-def _candidate(ctx, manifest: dict, ranked: list[dict], fallback: str, k: int) -> dict:
+def kept_modules(ranked: list[dict], k: int) -> list[str]:
+    """The Linear modules the first k parts keep, each once (a block and a kind overlap), in part order."""
+    return list(dict.fromkeys(m for r in ranked[:k] for m in r["modules"]))
+
+
+def ladder_length(ranked: list[dict], modules: list[str], fallback: str) -> int:
+    """The largest k worth building: parts past the one that keeps every module add nothing, and keeping
+    every module unquantized is the baseline itself."""
+    for k in range(1, len(ranked) + 1):
+        if len(kept_modules(ranked, k)) == len(modules):
+            return k - 1 if fallback == "unquantized" else k
+    return len(ranked)
+
+
+def _candidate(ctx, manifest: dict, ranked: list[dict], modules: list[str], fallback: str, k: int) -> dict:
     sp = ctx.recipe.search
     name = candidate_name(fallback, k)
-    kept = [m for r in ranked[:k] for m in r["modules"]]
-    quantized = [m for r in ranked[k:] for m in r["modules"]]
+    kept = kept_modules(ranked, k)
+    quantized = [m for m in modules if m not in set(kept)]
     llmc = mixed.candidate_recipe(sp.base_scheme, sp.group_size, fallback, quantized, kept, ["lm_head"])
     path = _llmc_file(llmc)
     (ctx.run_dir.root / "search" / f"{name}.llmc.yaml").write_text(path.read_text())
@@ -156,7 +170,7 @@ def _candidate(ctx, manifest: dict, ranked: list[dict], fallback: str, k: int) -
     if name not in {x.name for x in ctx.recipe.variants}:
         ctx.recipe = ctx.recipe.model_copy(update={"variants": (*ctx.recipe.variants, v)})
     say(name, f"search: k = {k}" + (f", keeping {', '.join(r['part'] for r in ranked[:k])} at {fallback}" if k else
-                                    f", every block at {sp.base_scheme} g{sp.group_size or 'channel'}"))
+                                    f", every decoder Linear at {sp.base_scheme} g{sp.group_size or 'channel'}"))
     ckpt = envs.home() / "checkpoints" / keys.quantize_key(ctx.recipe, v, ctx.model_id)[:24]
     built_before = (ckpt / "qe-checkpoint.json").exists()
     runner.run_stage(ctx, name)
@@ -177,16 +191,18 @@ def choose(rows: list[dict], objective: str) -> dict | None:
     return min(ok, key=lambda r: (r["native_weight_bytes"], r["name"]), default=None)
 
 
-def ladder(sp, ranked: list[dict], top1_floor: float | None, build) -> list[dict]:
+def ladder(sp, ranked: list[dict], top1_floor: float | None, build, length=None) -> list[dict]:
     """The candidates built, in order: build(fallback, k) -> its row (with "verdict" and
-    "top1_agreement"). Each fallback in turn, until one has a passing k or the cap is reached."""
+    "top1_agreement"); length(fallback) -> the largest k (default: every part). Each fallback in turn,
+    until one has a passing k or the cap is reached."""
     rows: list[dict] = []
     uniform = None
     for fallback in sp.fallbacks:
+        n = length(fallback) if length else len(ranked)
         tried: dict[int, bool] = {} if uniform is None else {0: uniform["verdict"] in PASSING}
         while len(rows) < sp.max_builds:
-            guess = first_guess(ranked, uniform["top1_agreement"] if uniform else None, top1_floor)
-            k = next_k(tried, len(ranked), guess)
+            guess = first_guess(ranked[:n], uniform["top1_agreement"] if uniform else None, top1_floor)
+            k = next_k(tried, n, guess)
             if k is None:
                 break
             row = build(fallback, k)
@@ -217,10 +233,12 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
         sens = sensitivity.measure(ctx, spent)
     finally:
         outcome.record(ctx.run_dir.root, "search", "sensitivity", t0, spent)
-    ranked = sensitivity.ranked_blocks(sens)
+    ranked = sensitivity.ranked_parts(sens, kinds=recipe.search.units == "blocks_and_kinds")
+    modules = sensitivity.linear_modules(sens)
     t_ladder = time.perf_counter()
     rows = ladder(recipe.search, ranked, _gate_floor(recipe, "top1_agreement"),
-                  lambda fallback, k: _candidate(ctx, manifest, ranked, fallback, k))
+                  lambda fallback, k: _candidate(ctx, manifest, ranked, modules, fallback, k),
+                  lambda fallback: ladder_length(ranked, modules, fallback))
     timings["search ladder"] = time.perf_counter() - t_ladder
     manifest["recipe"] = ctx.recipe.model_dump(mode="json")  # the candidates are the run's variants now
     try:
@@ -254,7 +272,7 @@ def _answer(ctx, recipe: Recipe, recipe_path: Path, ranked, sens, rows, refs, an
                              + yaml.safe_dump(data, sort_keys=False))
     sp = recipe.search
     summary = {
-        "base_scheme": sp.base_scheme, "group_size": sp.group_size, "fallbacks": list(sp.fallbacks),
+        "base_scheme": sp.base_scheme, "group_size": sp.group_size, "fallbacks": list(sp.fallbacks), "units": sp.units,
         "objective": sp.objective, "max_builds": sp.max_builds, "candidates": len(rows),
         "built_now": sum(r["built_now"] for r in rows), "answer": answer["name"] if answer else None,
         "reproduce_recipe": str(reproduce) if reproduce else None,

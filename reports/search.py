@@ -14,6 +14,11 @@ from reports.view import Run
 VERDICT_COLOUR = {"PASS": "#116329", "WARN": "#7d4e00", "FAIL": "#cf222e", "UNVERIFIED": "#0a3069"}
 
 
+def part_label(part: str) -> str:
+    """'model.layers.11' -> 'block 11'; a Linear kind 'v_proj' -> 'every v_proj'."""
+    return f"block {part.rsplit('.', 1)[-1]}" if ".layers." in part else f"every {part}"
+
+
 def search_banner(run: Run) -> str:
     s = run.search
     if not s:
@@ -25,9 +30,9 @@ def search_banner(run: Run) -> str:
     if not answer:
         return (f'<div class="banner FAIL">SEARCH: NONE PASSED — no candidate or reference passed every fail gate; '
                 f'{escape(tried)}</div>')
-    kept = (f"keeps {escape(', '.join(answer['kept']))} at {escape(answer['fallback'])}, every other block at "
-            f"{escape(s['base_scheme'])} g{s['group_size'] or 'channel'}" if answer["kind"] == "candidate"
-            else "a reference variant of the recipe")
+    kept = (f"keeps {escape(', '.join(part_label(p) for p in answer['kept']) or 'nothing')} at "
+            f"{escape(answer['fallback'])}, every other decoder Linear at {escape(s['base_scheme'])} "
+            f"g{s['group_size'] or 'channel'}" if answer["kind"] == "candidate" else "a reference variant of the recipe")
     how = (f"<p>Reproduce it as an ordinary variant: <code>quantize-eval {escape(s['reproduce_recipe'])}</code></p>"
            if s.get("reproduce_recipe") else "")
     return (f'<div class="banner {escape(answer["verdict"])}">SEARCH ANSWER: {escape(answer["name"])} — '
@@ -48,7 +53,7 @@ def search_section(run: Run) -> str:
     rows = []
     for r in s.get("rows", []) + s.get("references", []):
         what = ("reference" if r["kind"] == "reference" else
-                f"k={r['k']}" + (f" at {r['fallback']}: {', '.join(b.rsplit('.', 1)[-1] for b in r['kept'])}"
+                f"k={r['k']}" + (f" at {r['fallback']}: {', '.join(part_label(p) for p in r['kept'])}"
                                  if r["k"] else " (uniform)"))
         kv = fmt(r["kv_tokens"]) + (" (projected)" if r["kv_projected"] else "") if r["kv_tokens"] else "–"
         rows.append([escape(r["name"]), escape(what), tag(r["verdict"]),
@@ -61,8 +66,8 @@ def search_section(run: Run) -> str:
             "model's own dtype, quantized tensors as stored (what a native kernel holds; where this CPU lacks "
             "the 4-bit kernel the quality was measured on exact dequantized weights and KV tokens are "
             f"projected). Sensitivity: {escape(str(s.get('sensitivity_grid')))}, one block at a time, on "
-            f"{s.get('sensitivity_tokens')} held-out tokens of the drift corpus; it only chose which k to "
-            "build.</p>")
+            f"{s.get('sensitivity_tokens')} held-out tokens of the drift corpus; parts ranked by that KL per "
+            "weight kept (" + escape(str(s.get("units", "blocks"))) + "); it only chose which k to build.</p>")
     table_html = table(["candidate", "keeps", "verdict", "top-1 [CI]", "KL", "Δ accuracy [CI]", "weights (native)",
                         "checkpoint", "KV tokens", "build"], rows, left=2)
     return ("<h2>Search frontier</h2>" + table_html + frontier_chart(s) + sensitivity_chart(s) + note)

@@ -210,8 +210,32 @@ def test_report_leads_with_the_answer_not_the_candidates_verdict(tmp_path, answe
     assert "VERDICT: FAIL" not in html  # the candidates' verdict is a table here, not the banner
     if answer:
         assert 'class="banner PASS">SEARCH ANSWER: search-w8a16-k03 — 118.0 MiB' in html
-        assert "model.layers.11, model.layers.12, model.layers.2 at w8a16" in html
+        assert "keeps block 11, block 12, block 2 at w8a16" in html
         assert "chosen-recipe.yaml" in html and "Search frontier" in html
     else:
         assert 'class="banner FAIL">SEARCH: NONE PASSED' in html
     assert json.loads((root / "results.json").read_text())["search"]["answer"] == answer
+
+
+def test_parts_rank_by_sensitivity_per_weight_and_overlaps_count_once():
+    from pipeline.search import kept_modules, ladder_length
+    from pipeline.stages.sensitivity import linear_modules, ranked_parts
+
+    def row(kind, part, modules, params, kl):
+        return {"kind": kind, "part": part, "modules": modules, "params": params, "kl_mean": kl,
+                "top1_agreement": 0.9}
+    result = {"rows": [row("block", "model.layers.0", ["model.layers.0.a", "model.layers.0.v"], 100, 0.02),
+                       row("block", "model.layers.1", ["model.layers.1.a", "model.layers.1.v"], 100, 0.03),
+                       row("kind", "v", ["model.layers.0.v", "model.layers.1.v"], 20, 0.015)]}
+    ranked = ranked_parts(result, kinds=True)  # the small kind matters most per weight kept
+    assert [r["part"] for r in ranked] == ["v", "model.layers.1", "model.layers.0"]
+    assert [r["part"] for r in ranked_parts(result)] == ["model.layers.1", "model.layers.0"]
+    assert kept_modules(ranked, 2) == ["model.layers.0.v", "model.layers.1.v", "model.layers.1.a"]
+    modules = linear_modules(result)
+    assert modules == ["model.layers.0.a", "model.layers.0.v", "model.layers.1.a", "model.layers.1.v"]
+    assert ladder_length(ranked, modules, "w8a16") == 3  # the third part completes the set
+    assert ladder_length(ranked, modules, "unquantized") == 2  # every module unquantized is the baseline
+    r = mixed.candidate_recipe("rtn_w4a16", 64, "w8a16", [], modules, ["lm_head"])
+    assert list(r["quant_stage"]["quant_modifiers"]["QuantizationModifier"]["config_groups"]) == ["group_0"]
+    with pytest.raises(ValueError, match="base model"):
+        mixed.candidate_recipe("rtn_w4a16", 64, "unquantized", [], modules, ["lm_head"])

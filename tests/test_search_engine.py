@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from pipeline import envs
-from pipeline.stages.sensitivity import ranked_blocks
+from pipeline.stages.sensitivity import ranked_parts
 from tests import tinymodel
 
 pytestmark = pytest.mark.integration
@@ -58,7 +58,7 @@ def sensitivity_of(model: Path, tmp: Path) -> dict:
 def test_sensitivity_ranks_the_fragile_block_first(tmp_path):
     model = make_fragile(tinymodel.build(tmp_path / "tiny", seed=5), tmp_path / "fragile", FRAGILE)
     result = sensitivity_of(model, tmp_path)
-    ranked = ranked_blocks(result)
+    ranked = ranked_parts(result)
     assert [r["part"] for r in ranked][0] == f"model.layers.{FRAGILE}", [(r["part"], r["kl_mean"]) for r in ranked]
     assert ranked[0]["kl_mean"] > 1.5 * ranked[1]["kl_mean"]
     kinds = [r for r in result["rows"] if r["kind"] == "kind"]
@@ -118,12 +118,14 @@ def test_search_stops_at_the_cap_with_the_best_passing_candidate(searched):
 
 def test_mixed_checkpoint_loads_and_generates(searched):
     s = searched["json"]
-    mixed = next(r for r in s["rows"] if 0 < r["k"] < 4)  # some blocks at 8 bits, the rest at 4
+
+    def bits(row) -> list[int]:
+        q = json.loads((searched["dir"] / row["name"] / "quantize.json").read_text())
+        cfg = json.loads(Path(q["checkpoint_dir"], "config.json").read_text())["quantization_config"]
+        return sorted(g["weights"]["num_bits"] for g in cfg["config_groups"].values())
+
+    mixed = next(r for r in s["rows"] if r["k"] and bits(r) == [4, 8])  # some parts at 8 bits, the rest at 4
     d = searched["dir"] / mixed["name"]
-    cfg = json.loads(Path(json.loads((d / "quantize.json").read_text())["checkpoint_dir"], "config.json")
-                     .read_text())["quantization_config"]
-    bits = sorted(g["weights"]["num_bits"] for g in cfg["config_groups"].values())
-    assert bits == [4, 8]
     q = json.loads((d / "quality.json").read_text())
     assert q["status"] == "ok" and q["suites"]["asdiv"]["n"] == 3 and q["drift"]["tokens"] > 0
     outputs = [json.loads(x)["output"] for x in (d / q["suites"]["asdiv"]["samples_file"]).read_text().splitlines()]

@@ -67,7 +67,14 @@ def measure(ctx, spent, threads: int = 0) -> dict:
     return json.loads(cache.read_text())
 
 
-def ranked_blocks(result: dict) -> list[dict]:
-    """Blocks, most sensitive first (mean KL, then top-1 disagreement; model order breaks ties)."""
-    blocks = [r for r in result["rows"] if r["kind"] == "block"]
-    return sorted(blocks, key=lambda r: (-r["kl_mean"], r["top1_agreement"], blocks.index(r)))
+def ranked_parts(result: dict, kinds: bool = False) -> list[dict]:
+    """Blocks (and with `kinds`, Linear kinds too), most sensitive per weight first: mean KL over the
+    parameters the fallback would keep (blocks are alike in size, so among blocks this is KL order);
+    top-1 disagreement, then model order break ties."""
+    rows = [r for r in result["rows"] if r["kind"] == "block" or kinds]
+    return sorted(rows, key=lambda r: (-r["kl_mean"] / max(1, r["params"]), r["top1_agreement"], rows.index(r)))
+
+
+def linear_modules(result: dict) -> list[str]:
+    """Every decoder Linear the sensitivity saw, in model order (the blocks hold them all)."""
+    return [m for r in result["rows"] if r["kind"] == "block" for m in r["modules"]]
