@@ -207,6 +207,8 @@ def ladder(sp, ranked: list[dict], top1_floor: float | None, build, length=None)
                 break
             row = build(fallback, k)
             rows.append(row)
+            if row["verdict"] == "FAILED-TO-RUN":  # says nothing of quality: stop rather than spend the cap
+                return rows
             tried[k] = row["verdict"] in PASSING
             uniform = row if k == 0 else uniform
         if any(tried.values()) or len(rows) >= sp.max_builds:

@@ -74,6 +74,17 @@ def test_ladder_moves_to_the_next_fallback_only_when_the_first_cannot_pass():
     assert choose(rows, "memory")["name"] == "unquantized3"
 
 
+def test_a_candidate_that_fails_to_run_stops_the_ladder():
+    calls: list = []
+
+    def build(fallback, k):
+        calls.append(k)
+        return {"name": f"k{k}", "verdict": "FAILED-TO-RUN" if k else "FAIL", "top1_agreement": 0.7}
+
+    rows = ladder(SearchSpec(max_builds=6), ranked(30), 0.85, build)
+    assert calls == [0, 4] and choose(rows, "memory") is None  # not 6 builds spent on a broken recipe
+
+
 def test_first_guess_reads_the_curve():
     r = ranked(30)
     # uniform top-1 0.77 against a 0.85 floor: the kept blocks must remove ~2/3 of the disagreement

@@ -62,8 +62,9 @@ def test_sensitivity_ranks_the_fragile_block_first(tmp_path):
     assert [r["part"] for r in ranked][0] == f"model.layers.{FRAGILE}", [(r["part"], r["kl_mean"]) for r in ranked]
     assert ranked[0]["kl_mean"] > 1.5 * ranked[1]["kl_mean"]
     kinds = [r for r in result["rows"] if r["kind"] == "kind"]
-    assert {r["part"] for r in kinds} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    assert all(len(r["modules"]) == 4 for r in kinds) and all(len(r["modules"]) == 7 for r in ranked)
+    # kinds that read one input go together (vLLM fuses them; AWQ smooths them as one)
+    assert [r["part"] for r in kinds] == ["q_proj+k_proj+v_proj", "o_proj", "gate_proj+up_proj", "down_proj"]
+    assert [len(r["modules"]) for r in kinds] == [12, 4, 8, 4] and all(len(r["modules"]) == 7 for r in ranked)
     assert all(0 <= r["top1_agreement"] <= 1 and r["kl_mean"] >= 0 for r in result["rows"])
 
 

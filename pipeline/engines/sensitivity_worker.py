@@ -5,11 +5,13 @@ Runs under the *quantize* environment (torch + compressed-tensors), no engine:
 
 SPEC: model_dir, windows (token id lists cut from the drift corpus), bits, group_size, symmetric,
 kinds (also measure each Linear kind across every block), threads. For each part (one decoder block;
-then one Linear kind, e.g. every mlp.down_proj) that part's Linear weights are rounded to nearest on the
-scheme's grid with compressed-tensors' own `calculate_qparams` / `fake_quantize` (the grid llm-compressor
-writes), everything else kept; the windows' next-token distributions are compared with the unquantized
-model's over the full vocabulary: mean KL(base || part) per token and top-1 agreement. RESULT: one row
-per part, in model order. Imports nothing from this package: it runs in the other environment.
+then one group of Linear kinds that read the same input, e.g. every q/k/v, every down_proj, across all
+blocks: vLLM fuses such layers and AWQ smooths them together, so they keep one scheme) that part's
+Linear weights are rounded to nearest on the scheme's grid with compressed-tensors' own
+`calculate_qparams` / `fake_quantize` (the grid llm-compressor writes), everything else kept; the
+windows' next-token distributions are compared with the unquantized model's over the full vocabulary:
+mean KL(base || part) per token and top-1 agreement. RESULT: one row per part, in model order.
+Imports nothing from this package: it runs in the other environment.
 """
 
 from __future__ import annotations
@@ -53,17 +55,40 @@ def linears(model) -> dict[str, object]:
             if isinstance(m, torch.nn.Linear) and re.search(r"\.layers\.\d+\.", n)}
 
 
-def parts_of(names: list[str], kinds: bool) -> list[tuple[str, str, list[str]]]:
-    """(kind of part, part name, its Linear names): blocks in model order, then Linear kinds."""
+def shared_inputs(model, lin: dict, window) -> list[list[str]]:
+    """Linear kinds grouped by the input they read in the first block (q, k and v read one normed hidden
+    state; gate and up another). vLLM fuses such layers and needs one scheme for all of them, and AWQ
+    smooths them together, so a kind kept at the fallback is kept with its input-sharing siblings."""
+    import torch
+
+    first = re.match(r"(.*\.layers\.\d+)\.", next(iter(lin))).group(1) + "."
+    seen: dict[str, object] = {}  # the input tensors themselves, held: a freed one's address is reused
+
+    def note(name: str):
+        def hook(mod, inp, out) -> None:  # returns nothing: a value would replace the layer's output
+            seen.setdefault(name, inp[0])
+        return hook
+
+    hooks = [m.register_forward_hook(note(n)) for n, m in lin.items() if n.startswith(first)]
+    with torch.inference_mode():
+        model(window[None, :8])
+    for h in hooks:
+        h.remove()
+    groups: dict[int, list[str]] = {}
+    for n, x in seen.items():
+        groups.setdefault(id(x), []).append(n.split(".")[-1])
+    return list(groups.values())
+
+
+def parts_of(names: list[str], kind_groups: list[list[str]] | None) -> list[tuple[str, str, list[str]]]:
+    """(kind of part, part name, its Linear names): blocks in model order, then each group of Linear
+    kinds that share an input ('q_proj+k_proj+v_proj'), across every block."""
     blocks: dict[str, list[str]] = {}
-    by_kind: dict[str, list[str]] = {}
     for n in names:
-        prefix = re.match(r"(.*\.layers\.\d+)\.", n).group(1)
-        blocks.setdefault(prefix, []).append(n)
-        by_kind.setdefault(n.split(".")[-1], []).append(n)
+        blocks.setdefault(re.match(r"(.*\.layers\.\d+)\.", n).group(1), []).append(n)
     out = [("block", b, ms) for b, ms in sorted(blocks.items(), key=lambda kv: int(kv[0].rsplit(".", 1)[1]))]
-    if kinds:
-        out += [("kind", k, ms) for k, ms in by_kind.items()]
+    for group in kind_groups or []:
+        out.append(("kind", "+".join(group), [n for n in names if n.split(".")[-1] in group]))
     return out
 
 
@@ -86,7 +111,7 @@ def main(spec_path: str, result_path: str) -> None:
     base_top = base.argmax(-1)
     lin = linears(model)
     rows = []
-    parts = parts_of(list(lin), spec.get("kinds", True))
+    parts = parts_of(list(lin), shared_inputs(model, lin, windows[0]) if spec.get("kinds", True) else None)
     for i, (kind, name, members) in enumerate(parts):
         saved = {n: lin[n].weight.data.clone() for n in members}
         for n in members:
