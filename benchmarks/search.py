@@ -44,7 +44,7 @@ def main() -> None:
     s = json.loads((run_dir / "search" / "search.json").read_text())
     manifest = json.loads((run_dir / "manifest.json").read_text())
     print(f"run: {run_dir}")
-    print(f"host: {manifest['hardware'].get('cpu_model', manifest['hardware'])}")
+    print(f"host: {manifest['hardware'].get('cpu')}, {manifest['hardware'].get('cpus')} cpus")
     print(f"search: {s['base_scheme']} g{s['group_size']}, fallbacks {s['fallbacks']}, objective {s['objective']}, "
           f"at most {s['max_builds']} candidates; sensitivity {s['sensitivity_grid']} on {s['sensitivity_tokens']} "
           f"tokens; ranking {', '.join(p.rsplit('.', 1)[-1] for p in s['ranking'][:8])} ...")
