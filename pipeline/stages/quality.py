@@ -200,7 +200,9 @@ def score_items(suite, samples: list[dict], config: dict, tok, utils) -> tuple[l
                        category="correct" if correct else "wrong")
         else:
             text = str(_first(s["filtered_resps"]) or "")
-            n_out = len(tok(text, add_special_tokens=False)["input_ids"])
+            # the engine generated at most max_gen tokens; re-encoding its text can count more (a random or
+            # byte-level model's pieces do not round-trip), so the count is capped at what was possible
+            n_out = min(len(tok(text, add_special_tokens=False)["input_ids"]), max_gen)
             row.update(output=text, output_tokens=n_out, chance=0.0,
                        category=utils.failure_category(suite.name, doc, text, bool(correct), n_out, max_gen))
             if suite.kind == "gen":
