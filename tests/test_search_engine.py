@@ -75,9 +75,10 @@ def searched(tmp_path_factory):
     recipe = {
         "schema_version": 1, "name": "tinysearch", "model": {"path": str(model)},
         # a seed no earlier run used: no checkpoint or result of a previous session's cache is reused
-        "engine": {"max_model_len": 512, "max_num_seqs": 8, "memory_budget_gib": 4.0,
+        # float32 everywhere: the same numerics on CPUs with native bf16 (AMX), whose auto dtype differs
+        "engine": {"max_model_len": 512, "max_num_seqs": 8, "memory_budget_gib": 4.0, "dtype": "float32",
                    "seed": int.from_bytes(os.urandom(3), "little")},
-        "calibration": {"num_samples": 4, "max_seq_len": 64},
+        "calibration": {"num_samples": 4, "max_seq_len": 64, "dtype": "float32"},
         "quality": {"suites": ["drift", "asdiv"], "limit": 3, "bootstrap_samples": 200,
                     "drift": {"windows": 2, "window_tokens": 256}},
         "workload": {"prompt_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
