@@ -1,9 +1,11 @@
 """`quantize-eval search RECIPE`: the cheapest mixed-precision variant whose gates still pass.
 
     baseline + the recipe's variants   evaluated as in a run; the variants are references on the frontier
-    sensitivity                        per decoder block and Linear kind, no engine      stages/sensitivity.py
-    ladder                             candidate k keeps the k most sensitive blocks at the fallback
-                                       precision, the rest at the base 4-bit scheme; k = 0 first (the
+    sensitivity                        per decoder block and input-sharing Linear kinds, no engine
+                                       (stages/sensitivity.py)
+    ladder                             candidate k keeps the modules of the k parts (blocks, or groups of
+                                       Linear kinds) most sensitive per weight at the fallback precision,
+                                       the rest at the base 4-bit scheme; k = 0 first (the
                                        uniform scheme), then a first guess from the sensitivity curve,
                                        then bisection between the largest failing and smallest passing k
     each candidate                     a real llm-compressor checkpoint (pipeline/mixed.py), quantized,
@@ -27,7 +29,7 @@ from pipeline import envs, keys, membudget, mixed, modelcfg, outcome, provenance
 from pipeline.console import say
 from pipeline.outcome import Spent
 from pipeline.recipe import Recipe, VariantSpec
-from pipeline.runstore import hash_obj, run_lock, write_json
+from pipeline.runstore import atomic_write_text, hash_obj, run_lock, write_json
 from pipeline.stages import sensitivity
 
 PASSING = ("PASS", "WARN")
@@ -83,13 +85,9 @@ def _gate_floor(recipe: Recipe, metric: str) -> float | None:
 
 def _llmc_file(llmc: dict) -> Path:
     """Content-addressed, so the same candidate is the same checkpoint (and results) in any later search."""
-    text = yaml.safe_dump(llmc, sort_keys=False)
     path = envs.home() / "search-recipes" / f"{hash_obj(llmc)[:20]}.yaml"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        atomic_write_text(path, yaml.safe_dump(llmc, sort_keys=False))
     return path
 
 
@@ -162,7 +160,8 @@ def _candidate(ctx, manifest: dict, ranked: list[dict], modules: list[str], fall
     sp = ctx.recipe.search
     name = candidate_name(fallback, k)
     kept = kept_modules(ranked, k)
-    quantized = [m for m in modules if m not in set(kept)]
+    keep = set(kept)
+    quantized = [m for m in modules if m not in keep]
     llmc = mixed.candidate_recipe(sp.base_scheme, sp.group_size, fallback, quantized, kept, ["lm_head"])
     path = _llmc_file(llmc)
     (ctx.run_dir.root / "search" / f"{name}.llmc.yaml").write_text(path.read_text())
