@@ -67,20 +67,21 @@ def env_dir(kind: str) -> Path:
     return home() / "envs" / f"{kind}-{req.stem}-{key}"
 
 
-def _run(cmd: list[str], log) -> None:
-    log.write("$ " + " ".join(cmd) + "\n")
-    log.flush()
-    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}")
-
-
 def _prune_stale(kind: str, keep: Path) -> None:
     """Environments of this kind built from older pins are GBs each; drop them."""
     for old in keep.parent.glob(f"{kind}-*"):
         if old != keep and old.is_dir() and (old / READY).exists():
             shutil.rmtree(old, ignore_errors=True)
             Path(str(old) + ".log").unlink(missing_ok=True)
+
+
+def _build(kind: str, target: Path, installer) -> None:
+    py = str(target / "bin" / "python")
+    installer.venv(target, PIP)
+    installer.install(py, ["-r", str(requirements_file(kind))])
+    if kind == "engine" and not has_nvidia_gpu():
+        installer.uninstall(py, CPU_ENGINE_REMOVE)
+    installer.run([py, "-c", SMOKE[kind]])
 
 
 def ensure(kind: str) -> Path:
@@ -100,22 +101,30 @@ def ensure(kind: str) -> Path:
               f"Log: {logpath}", file=sys.stderr, flush=True)
         if target.exists():
             shutil.rmtree(target)  # a half-built env from an interrupted setup
-        py = str(target / "bin" / "python")
+        from pipeline.installer import Installer
         from pipeline.progress import Heartbeat
 
         try:
             with open(logpath, "w") as log, Heartbeat(f"[setup] {kind} environment", stream=sys.stderr):
-                _run([sys.executable, "-m", "venv", str(target)], log)
-                _run([py, "-m", "pip", "install", "-q", PIP], log)
-                _run([py, "-m", "pip", "install", "-r", str(requirements_file(kind))], log)
-                if kind == "engine" and not has_nvidia_gpu():
-                    _run([py, "-m", "pip", "uninstall", "-y", *CPU_ENGINE_REMOVE], log)
-                _run([py, "-c", SMOKE[kind]], log)
+                installer = Installer(home() / "tools", log)
+                try:
+                    _build(kind, target, installer)
+                except RuntimeError as exc:
+                    if installer.name == "pip":
+                        raise
+                    # the same pins once more with pip: uv refusing a resolution pip accepts, or a
+                    # uv bug, must not leave the user without an environment
+                    log.write(f"# {installer.name} failed ({exc}); building again with pip\n")
+                    print(f"[setup] {kind} environment: {installer.name} failed, building again with pip",
+                          file=sys.stderr, flush=True)
+                    shutil.rmtree(target, ignore_errors=True)
+                    installer = Installer(home() / "tools", log, force_pip=True)
+                    _build(kind, target, installer)
         except RuntimeError as exc:
             tail = logpath.read_text(errors="replace").strip().splitlines()[-5:]
             raise SystemExit(f"[setup] {kind} environment failed: {exc}\n  " + "\n  ".join(tail)) from None
         (target / READY).write_text(requirements_file(kind).read_text())
-        print(f"[setup] {kind} environment ready", file=sys.stderr, flush=True)
+        print(f"[setup] {kind} environment ready ({installer.name})", file=sys.stderr, flush=True)
         _prune_stale(kind, target)
     return target / "bin" / "python"
 
@@ -133,10 +142,15 @@ def ensure_extra(name: str) -> None:
             return
         print(f"[setup] installing the optional {name} extra into {sys.prefix} (first use)", file=sys.stderr,
               flush=True)
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", str(req)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"[setup] the {name} extra failed to install: {proc.stderr.strip()[-500:]}")
+        from pipeline.installer import Installer
+
+        logpath = Path(sys.prefix) / f".qe-extra-{name}.log"
+        with open(logpath, "w") as log:
+            try:
+                Installer(home() / "tools", log).install(sys.executable, ["-q", "-r", str(req)])
+            except RuntimeError:
+                tail = logpath.read_text(errors="replace").strip().splitlines()[-3:]
+                raise SystemExit(f"[setup] the {name} extra failed to install: " + " | ".join(tail)[-500:]) from None
         marker.write_text(req.read_text())
 
 

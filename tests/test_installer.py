@@ -1,0 +1,86 @@
+"""The environments' installer: pip's settings handed to uv, and pip taking over when uv fails."""
+
+from __future__ import annotations
+
+import io
+import stat
+
+from pipeline import envs, installer
+
+LISTING = """:env:.cert='/etc/ssl/certs/ca.crt'
+:env:.default-timeout='180'
+:env:.disable-pip-version-check='1'
+:env:.find-links='/opt/wheels'
+global.constraint='/etc/pip/constraints.txt'
+global.extra-index-url='file:///opt/a/simple file:///opt/b/simple'
+global.find-links='/opt/wheels /opt/more'
+global.index-url='https://mirror.example/simple'
+install.index-url='https://inner.example/simple'
+download.dest='/tmp/ignored'
+"""
+
+
+def test_pip_settings_are_read_as_pip_install_would_use_them():
+    settings, unknown = installer.pip_settings(LISTING)
+    assert unknown == []
+    assert settings["find-links"] == ["/opt/wheels", "/opt/more"]  # one list, no repeats
+    assert settings["extra-index-url"] == ["file:///opt/a/simple", "file:///opt/b/simple"]
+    assert settings["index-url"] == "https://inner.example/simple"  # [install] over [global]
+    assert settings["constraint"] == "/etc/pip/constraints.txt"
+    assert "dest" not in settings  # another command's section
+
+
+def test_uv_is_given_every_setting_that_changes_what_gets_installed():
+    args, env = installer.uv_arguments(installer.pip_settings(LISTING)[0])
+    joined = " ".join(args)
+    assert "--index-strategy unsafe-best-match" in joined  # pip takes the best version of any index
+    assert "--index-url https://inner.example/simple" in joined
+    assert "--extra-index-url file:///opt/a/simple --extra-index-url file:///opt/b/simple" in joined
+    assert "--find-links /opt/wheels --find-links /opt/more" in joined
+    assert "--constraint /etc/pip/constraints.txt" in joined
+    assert env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca.crt", "UV_HTTP_TIMEOUT": "180"}
+    assert "--no-index" in installer.uv_arguments({"no-index": "true"})[0]
+
+
+def test_a_pip_setting_uv_cannot_be_given_means_pip(tmp_path, monkeypatch):
+    monkeypatch.delenv("QUANTIZE_EVAL_INSTALLER", raising=False)
+    monkeypatch.setattr(installer.Installer, "_pip_config",
+                        lambda self: LISTING + "global.trusted-host='mirror.example'\n")
+    log = io.StringIO()
+    chosen = installer.Installer(tmp_path / "tools", log)
+    assert chosen.name == "pip" and chosen.uv is None
+    assert "trusted-host" in log.getvalue()
+    assert not (tmp_path / "tools").exists()  # uv was not even installed
+
+
+def test_the_environment_is_built_with_pip_when_uv_fails(tmp_path, monkeypatch, capsys):
+    """A uv that fails (here a stand-in exiting 1) must not leave the user without an environment:
+    the same requirements are installed again with pip, and the log says so."""
+    monkeypatch.delenv("QUANTIZE_EVAL_INSTALLER", raising=False)
+    monkeypatch.setenv("QUANTIZE_EVAL_HOME", str(tmp_path / "home"))
+    reqs = tmp_path / "requirements"
+    reqs.mkdir()
+    (reqs / "quantize.txt").write_text("# nothing to install\n")
+    monkeypatch.setattr(envs, "REQUIREMENTS", reqs)
+    monkeypatch.setitem(envs.SMOKE, "quantize", "import json")
+    uv = tmp_path / "home" / "tools" / installer.UV.replace("==", "-") / "bin" / "uv"
+    uv.parent.mkdir(parents=True)
+    uv.write_text("#!/bin/sh\necho 'uv: refusing on purpose' >&2\nexit 1\n")
+    uv.chmod(uv.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(installer.Installer, "_pip_config", lambda self: "")
+
+    py = envs.ensure("quantize")
+
+    assert py.exists() and (py.parent.parent / envs.READY).exists()
+    log = (py.parent.parent.parent / f"{py.parent.parent.name}.log").read_text()
+    assert "uv: refusing on purpose" in log and "building again with pip" in log
+    assert "-m pip install -r" in log
+    assert "environment ready (pip)" in capsys.readouterr().err
+    assert envs.ensure("quantize") == py  # ready: found, not rebuilt
+
+
+def test_quantize_eval_installer_pip_forces_pip(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTIZE_EVAL_INSTALLER", "pip")
+    log = io.StringIO()
+    chosen = installer.Installer(tmp_path / "tools", log)
+    assert chosen.name == "pip" and "QUANTIZE_EVAL_INSTALLER=pip" in log.getvalue()
