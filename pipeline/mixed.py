@@ -46,3 +46,23 @@ def candidate_recipe(base_scheme: str, group_size: int | None, fallback: str, qu
     else:
         raise ValueError(f"{base_scheme!r} is not a 4-bit base scheme")
     return {"quant_stage": {"quant_modifiers": mods}}
+
+
+def describe_parts(parts: list[str]) -> str:
+    """What a candidate keeps, for people: 'blocks 29, 11; every down_proj; q_proj+k_proj+v_proj in blocks
+    3, 7' from part names 'model.layers.29', 'down_proj', 'model.layers.3:q_proj+k_proj+v_proj'."""
+    blocks: list[str] = []
+    kinds: list[str] = []
+    per_block: dict[str, list[str]] = {}
+    for p in parts:
+        if ":" in p:
+            block, group = p.split(":", 1)
+            per_block.setdefault(group, []).append(block.rsplit(".", 1)[-1])
+        elif ".layers." in p:
+            blocks.append(p.rsplit(".", 1)[-1])
+        else:
+            kinds.append(p)
+    out = [f"block{'s' if len(blocks) > 1 else ''} {', '.join(blocks)}"] if blocks else []
+    out += [f"every {k}" for k in kinds]
+    out += [f"{g} in block{'s' if len(bs) > 1 else ''} {', '.join(bs)}" for g, bs in per_block.items()]
+    return "; ".join(out) or "nothing"

@@ -47,10 +47,12 @@ class SearchSpec(Strict):
     fallbacks: tuple[str, ...] = Field(
         ("w8a16",), min_length=1, description="Precisions a kept block may take, cheapest first: "
         + ", ".join(FALLBACKS) + ". The search tries them in this order and stops at the first that passes.")
-    units: Literal["blocks", "blocks_and_kinds"] = Field(
-        "blocks_and_kinds", description="What a candidate keeps at the fallback: whole decoder blocks, or blocks "
-        "and Linear kinds (every v_proj, every down_proj, ...), each ranked by its measured sensitivity per weight "
-        "it would keep (a kind often costs less and matters more than a block); parts that overlap count once.")
+    units: Literal["blocks", "blocks_and_kinds", "block_kinds"] = Field(
+        "blocks_and_kinds", description="What a candidate keeps at the fallback: whole decoder blocks; blocks "
+        "and Linear kinds (every q/k/v, every down_proj, ...); or block_kinds, each input-sharing group of Linear "
+        "kinds within each block (q/k/v of block 11, down_proj of block 29: four times the parts to measure, "
+        "and the bytes go where the drift is). Each part is ranked by its measured sensitivity per weight it "
+        "would keep; parts that overlap count once.")
     objective: Literal["memory", "capacity"] = Field(
         "memory", description="memory: the smallest weights as loaded (as a native kernel holds them, in "
         "the model's dtype); capacity: the most KV tokens under engine.memory_budget_gib.")
@@ -60,7 +62,7 @@ class SearchSpec(Strict):
 
     @model_validator(mode="after")
     def _kinds_measured(self) -> SearchSpec:
-        if self.units == "blocks_and_kinds" and not self.sensitivity.kinds:
+        if self.units == "blocks_and_kinds" and not self.sensitivity.kinds:  # block_kinds measures its own
             raise ValueError("units: blocks_and_kinds needs sensitivity.kinds: true (the kinds must be measured)")
         return self
 

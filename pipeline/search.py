@@ -168,7 +168,7 @@ def _candidate(ctx, manifest: dict, ranked: list[dict], modules: list[str], fall
     v = VariantSpec(name=name, scheme="custom", recipe=str(path))
     if name not in {x.name for x in ctx.recipe.variants}:
         ctx.recipe = ctx.recipe.model_copy(update={"variants": (*ctx.recipe.variants, v)})
-    say(name, f"search: k = {k}" + (f", keeping {', '.join(r['part'] for r in ranked[:k])} at {fallback}" if k else
+    say(name, f"search: k = {k}" + (f", keeping {mixed.describe_parts([r['part'] for r in ranked[:k]])} at {fallback}" if k else
                                     f", every decoder Linear at {sp.base_scheme} g{sp.group_size or 'channel'}"))
     ckpt = envs.home() / "checkpoints" / keys.quantize_key(ctx.recipe, v, ctx.model_id)[:24]
     built_before = (ckpt / "qe-checkpoint.json").exists()
@@ -234,7 +234,7 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
         sens = sensitivity.measure(ctx, spent)
     finally:
         outcome.record(ctx.run_dir.root, "search", "sensitivity", t0, spent)
-    ranked = sensitivity.ranked_parts(sens, kinds=recipe.search.units == "blocks_and_kinds")
+    ranked = sensitivity.ranked_parts(sens, recipe.search.units)
     modules = sensitivity.linear_modules(sens)
     t_ladder = time.perf_counter()
     rows = ladder(recipe.search, ranked, _gate_floor(recipe, "top1_agreement"),
@@ -269,7 +269,7 @@ def _answer(ctx, recipe: Recipe, recipe_path: Path, ranked, sens, rows, refs, an
                              "recipe": str(llmc.resolve())}]
         reproduce = out / "chosen-recipe.yaml"
         reproduce.write_text(f"# {answer['name']}, found by `quantize-eval search {recipe_path}`: keeps "
-                             f"{', '.join(answer['kept']) or 'nothing'} at {answer['fallback']}\n"
+                             f"{mixed.describe_parts(answer['kept'])} at {answer['fallback']}\n"
                              + yaml.safe_dump(data, sort_keys=False))
     sp = recipe.search
     summary = {
@@ -283,7 +283,7 @@ def _answer(ctx, recipe: Recipe, recipe_path: Path, ranked, sens, rows, refs, an
     write_json(out / "search.json", {**summary, "rows": rows, "references": refs, "sensitivity": sens["rows"]})
     if answer:
         say("search", f"answer: {answer['name']}: {answer['native_weight_bytes'] / 2**20:.1f} MiB weights "
-                      f"(native), kept {', '.join(answer['kept']) or 'nothing'}; {len(rows)} candidate(s), "
+                      f"(native), kept {mixed.describe_parts(answer['kept'])}; {len(rows)} candidate(s), "
                       f"{summary['built_now']} built now" + (f"; reproduce: {reproduce}" if reproduce else ""))
     else:
         say("search", f"no candidate passed the gates in {len(rows)} candidate(s) (max_builds {sp.max_builds})")

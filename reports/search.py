@@ -7,16 +7,12 @@ from __future__ import annotations
 
 from html import escape
 
+from pipeline.mixed import describe_parts
 from reports.charts import _axes, _figure
 from reports.html import fmt, in_mib, mib, table, tag
 from reports.view import Run
 
 VERDICT_COLOUR = {"PASS": "#116329", "WARN": "#7d4e00", "FAIL": "#cf222e", "UNVERIFIED": "#0a3069"}
-
-
-def part_label(part: str) -> str:
-    """'model.layers.11' -> 'block 11'; a Linear kind 'v_proj' -> 'every v_proj'."""
-    return f"block {part.rsplit('.', 1)[-1]}" if ".layers." in part else f"every {part}"
 
 
 def search_banner(run: Run) -> str:
@@ -30,7 +26,7 @@ def search_banner(run: Run) -> str:
     if not answer:
         return (f'<div class="banner FAIL">SEARCH: NONE PASSED — no candidate or reference passed every fail gate; '
                 f'{escape(tried)}</div>')
-    kept = (f"keeps {escape(', '.join(part_label(p) for p in answer['kept']) or 'nothing')} at "
+    kept = (f"keeps {escape(describe_parts(answer['kept']))} at "
             f"{escape(answer['fallback'])}, every other decoder Linear at {escape(s['base_scheme'])} "
             f"g{s['group_size'] or 'channel'}" if answer["kind"] == "candidate" else "a reference variant of the recipe")
     how = (f"<p>Reproduce it as an ordinary variant: <code>quantize-eval {escape(s['reproduce_recipe'])}</code></p>"
@@ -53,7 +49,7 @@ def search_section(run: Run) -> str:
     rows = []
     for r in s.get("rows", []) + s.get("references", []):
         what = ("reference" if r["kind"] == "reference" else
-                f"k={r['k']}" + (f" at {r['fallback']}: {', '.join(part_label(p) for p in r['kept'])}"
+                f"k={r['k']}" + (f" at {r['fallback']}: {describe_parts(r['kept'])}"
                                  if r["k"] else " (uniform)"))
         kv = fmt(r["kv_tokens"]) + (" (projected)" if r["kv_projected"] else "") if r["kv_tokens"] else "–"
         rows.append([escape(r["name"]), escape(what), tag(r["verdict"]),
@@ -105,7 +101,7 @@ def frontier_chart(s: dict) -> str:
 
 def sensitivity_chart(s: dict) -> str:
     """Mean KL per token when only that part is rounded to the base grid: one bar per block, then per kind."""
-    rows = s.get("sensitivity") or []
+    rows = [r for r in s.get("sensitivity") or [] if r["kind"] in ("block", "kind")]
     if not rows:
         return ""
     kept = set()
@@ -128,4 +124,45 @@ def sensitivity_chart(s: dict) -> str:
             + f'<text x="{pad - 4}" y="{pad + 4}" font-size="11" text-anchor="end">{top:.3f}</text>')
     return _figure(w, h, "Sensitivity per block and Linear kind", axes + bars,
                    "Sensitivity: mean KL to the baseline when only that block (blue; kept by the answer: amber) or "
-                   "that Linear kind in every block (purple) is rounded to the base grid")
+                   "that Linear kind in every block (purple) is rounded to the base grid") + block_kind_chart(s)
+
+
+GROUP_COLOURS = ("#0969da", "#8250df", "#1a7f37", "#cf222e", "#57606a", "#9a6700")
+
+
+def block_kind_chart(s: dict) -> str:
+    """units: block_kinds: per block, one thin bar per input-sharing kind group (KL per weight, the ranking's
+    measure, as the groups differ in size); the answer's kept groups amber."""
+    rows = [r for r in s.get("sensitivity") or [] if r["kind"] == "block_kind"]
+    if not rows:
+        return ""
+    answer = next((r for r in s.get("rows", []) if r["name"] == s.get("answer")), None)
+    kept = set(answer["kept"]) if answer else set()
+    blocks = list(dict.fromkeys(r["part"].split(":", 1)[0] for r in rows))
+    groups = list(dict.fromkeys(r["part"].split(":", 1)[1] for r in rows))
+    per_weight = {r["part"]: r["kl_mean"] / max(1, r["params"]) * 1e6 for r in rows}
+    bw, gap, pad, h = 4, 6, 56, 240
+    step = bw * len(groups) + gap
+    w, top = pad + step * len(blocks) + 24, max(per_weight.values()) or 1.0
+    bars = ""
+    for i, b in enumerate(blocks):
+        x0 = pad + i * step
+        for j, g in enumerate(groups):
+            r = next((r for r in rows if r["part"] == f"{b}:{g}"), None)
+            if r is None:
+                continue
+            bh = per_weight[r["part"]] / top * (h - 2 * pad)
+            colour = "#bf8700" if r["part"] in kept else GROUP_COLOURS[j % len(GROUP_COLOURS)]
+            bars += (f'<rect x="{x0 + j * bw}" y="{h - pad - bh:.1f}" width="{bw}" height="{bh:.1f}" fill="{colour}">'
+                     f'<title>{escape(g)} in block {escape(b.rsplit(".", 1)[-1])}: KL {r["kl_mean"]:.5f} '
+                     f'({per_weight[r["part"]]:.4f} per million weights), top-1 {r["top1_agreement"]:.3f}'
+                     f'{", kept" if r["part"] in kept else ""}</title></rect>')
+        bars += (f'<text x="{x0 + bw * len(groups) / 2}" y="{h - pad + 12}" font-size="9" '
+                 f'text-anchor="middle">{escape(b.rsplit(".", 1)[-1])}</text>')
+    legend = "; ".join(f'<span style="color:{GROUP_COLOURS[j % len(GROUP_COLOURS)]}">&#9632;</span> {escape(g)}'
+                       for j, g in enumerate(groups))
+    axes = (_axes(w, h, pad, "decoder block", "KL per million weights")
+            + f'<text x="{pad - 4}" y="{pad + 4}" font-size="11" text-anchor="end">{top:.4f}</text>')
+    return _figure(w, h, "Sensitivity per Linear kind in each block", axes + bars,
+                   "Sensitivity per kind in each block, per weight it would keep (the ranking's measure): "
+                   f"{legend}; kept by the answer: amber")

@@ -221,7 +221,7 @@ def test_report_leads_with_the_answer_not_the_candidates_verdict(tmp_path, answe
     assert "VERDICT: FAIL" not in html  # the candidates' verdict is a table here, not the banner
     if answer:
         assert 'class="banner PASS">SEARCH ANSWER: search-w8a16-k03 — 118.0 MiB' in html
-        assert "keeps block 11, block 12, block 2 at w8a16" in html
+        assert "keeps blocks 11, 12, 2 at w8a16" in html
         assert "chosen-recipe.yaml" in html and "Search frontier" in html
     else:
         assert 'class="banner FAIL">SEARCH: NONE PASSED' in html
@@ -238,7 +238,7 @@ def test_parts_rank_by_sensitivity_per_weight_and_overlaps_count_once():
     result = {"rows": [row("block", "model.layers.0", ["model.layers.0.a", "model.layers.0.v"], 100, 0.02),
                        row("block", "model.layers.1", ["model.layers.1.a", "model.layers.1.v"], 100, 0.03),
                        row("kind", "v", ["model.layers.0.v", "model.layers.1.v"], 20, 0.015)]}
-    ranked = ranked_parts(result, kinds=True)  # the small kind matters most per weight kept
+    ranked = ranked_parts(result, "blocks_and_kinds")  # the small kind matters most per weight kept
     assert [r["part"] for r in ranked] == ["v", "model.layers.1", "model.layers.0"]
     assert [r["part"] for r in ranked_parts(result)] == ["model.layers.1", "model.layers.0"]
     assert kept_modules(ranked, 2) == ["model.layers.0.v", "model.layers.1.v", "model.layers.1.a"]
@@ -250,3 +250,45 @@ def test_parts_rank_by_sensitivity_per_weight_and_overlaps_count_once():
     assert list(r["quant_stage"]["quant_modifiers"]["QuantizationModifier"]["config_groups"]) == ["group_0"]
     with pytest.raises(ValueError, match="base model"):
         mixed.candidate_recipe("rtn_w4a16", 64, "unquantized", [], modules, ["lm_head"])
+
+
+def test_block_kinds_rank_each_input_sharing_group_within_each_block():
+    """units: block_kinds: the worker cuts each block into its input-sharing groups, the search ranks only
+    those (not whole blocks or kinds across blocks), and people read them grouped by kind."""
+    from pipeline.engines.sensitivity_worker import parts_of
+    from pipeline.stages.sensitivity import linear_modules, ranked_parts
+
+    names = [f"model.layers.{b}.{k}" for b in range(2) for k in ("q_proj", "k_proj", "v_proj", "down_proj")]
+    groups = [["q_proj", "k_proj", "v_proj"], ["down_proj"]]
+    parts = parts_of(names, None, groups)
+    assert [(kind, p) for kind, p, _ in parts] == [
+        ("block", "model.layers.0"), ("block", "model.layers.1"),
+        ("block_kind", "model.layers.0:q_proj+k_proj+v_proj"), ("block_kind", "model.layers.0:down_proj"),
+        ("block_kind", "model.layers.1:q_proj+k_proj+v_proj"), ("block_kind", "model.layers.1:down_proj")]
+    assert parts[2][2] == ["model.layers.0.q_proj", "model.layers.0.k_proj", "model.layers.0.v_proj"]
+    assert [p for kind, p, _ in parts_of(names, groups, groups) if kind == "kind"] == ["q_proj+k_proj+v_proj",
+                                                                                       "down_proj"]
+    kl = {"model.layers.0:down_proj": 0.01, "model.layers.1:q_proj+k_proj+v_proj": 0.06}
+    result = {"rows": [{"kind": kind, "part": p, "modules": ms, "params": 10 * len(ms), "top1_agreement": 0.9,
+                        "kl_mean": kl.get(p, 0.02 if kind == "block" else 0.001)} for kind, p, ms in parts]}
+    ranked = ranked_parts(result, "block_kinds")
+    assert [r["part"] for r in ranked][:2] == ["model.layers.1:q_proj+k_proj+v_proj", "model.layers.0:down_proj"]
+    assert all(r["kind"] == "block_kind" for r in ranked) and len(ranked) == 4
+    assert linear_modules(result) == names  # every Linear, once, in model order
+    assert mixed.describe_parts([r["part"] for r in ranked] + ["model.layers.7", "down_proj"]) == (
+        "block 7; every down_proj; q_proj+k_proj+v_proj in blocks 1, 0; down_proj in blocks 0, 1")
+
+
+def test_report_draws_the_kinds_within_blocks_and_marks_the_kept_ones(tmp_path):
+    from reports.search import sensitivity_chart
+
+    s = _search_json("search-w8a16-k03")
+    s["sensitivity"] += [{"kind": "block_kind", "part": f"model.layers.{b}:{g}", "kl_mean": 0.01 * (b + 1),
+                          "top1_agreement": 0.9, "modules": [], "params": 100}
+                         for b in range(3) for g in ("q_proj+k_proj+v_proj", "down_proj")]
+    s["rows"][1]["kept"] = ["model.layers.2:down_proj"]
+    svg = sensitivity_chart(s)
+    assert "Sensitivity per Linear kind in each block" in svg
+    assert svg.count("<rect") == 3 + 6  # three blocks, then two groups in each of the three
+    kept = [t for t in svg.split("<rect")[1:] if ", kept</title>" in t]
+    assert len(kept) == 1 and 'fill="#bf8700"' in kept[0] and "down_proj in block 2" in kept[0]

@@ -4,9 +4,10 @@ Runs under the *quantize* environment (torch + compressed-tensors), no engine:
     <quantize-env>/bin/python -m pipeline.engines.sensitivity_worker SPEC.json RESULT.json
 
 SPEC: model_dir, windows (token id lists cut from the drift corpus), bits, group_size, symmetric,
-kinds (also measure each Linear kind across every block), threads. For each part (one decoder block;
-then one group of Linear kinds that read the same input, e.g. every q/k/v, every down_proj, across all
-blocks: vLLM fuses such layers and AWQ smooths them together, so they keep one scheme) that part's
+kinds (also measure each Linear kind across every block), block_kinds (and each such group within each
+block), threads. For each part (one decoder block; one group of Linear kinds that read the same input,
+e.g. every q/k/v, every down_proj, across all blocks: vLLM fuses such layers and AWQ smooths them
+together, so they keep one scheme; or one such group in one block) that part's
 Linear weights are rounded to nearest on the scheme's grid with compressed-tensors' own
 `calculate_qparams` / `fake_quantize` (the grid llm-compressor writes), everything else kept; the
 windows' next-token distributions are compared with the unquantized model's over the full vocabulary:
@@ -80,15 +81,21 @@ def shared_inputs(model, lin: dict, window) -> list[list[str]]:
     return list(groups.values())
 
 
-def parts_of(names: list[str], kind_groups: list[list[str]] | None) -> list[tuple[str, str, list[str]]]:
-    """(kind of part, part name, its Linear names): blocks in model order, then each group of Linear
-    kinds that share an input ('q_proj+k_proj+v_proj'), across every block."""
+def parts_of(names: list[str], kind_groups: list[list[str]] | None,
+             per_block: list[list[str]] | None = None) -> list[tuple[str, str, list[str]]]:
+    """(kind of part, part name, its Linear names): blocks in model order; then each group of Linear
+    kinds that share an input ('q_proj+k_proj+v_proj'), across every block; then, with `per_block`,
+    each such group within each block ('model.layers.3:q_proj+k_proj+v_proj')."""
     blocks: dict[str, list[str]] = {}
     for n in names:
         blocks.setdefault(re.match(r"(.*\.layers\.\d+)\.", n).group(1), []).append(n)
-    out = [("block", b, ms) for b, ms in sorted(blocks.items(), key=lambda kv: int(kv[0].rsplit(".", 1)[1]))]
+    in_order = sorted(blocks.items(), key=lambda kv: int(kv[0].rsplit(".", 1)[1]))
+    out = [("block", b, ms) for b, ms in in_order]
     for group in kind_groups or []:
         out.append(("kind", "+".join(group), [n for n in names if n.split(".")[-1] in group]))
+    for b, ms in in_order if per_block else []:
+        for group in per_block:
+            out.append(("block_kind", f"{b}:{'+'.join(group)}", [n for n in ms if n.split(".")[-1] in group]))
     return out
 
 
@@ -111,7 +118,8 @@ def main(spec_path: str, result_path: str) -> None:
     base_top = base.argmax(-1)
     lin = linears(model)
     rows = []
-    parts = parts_of(list(lin), shared_inputs(model, lin, windows[0]) if spec.get("kinds", True) else None)
+    groups = shared_inputs(model, lin, windows[0]) if spec.get("kinds", True) or spec.get("block_kinds") else None
+    parts = parts_of(list(lin), groups if spec.get("kinds", True) else None, groups if spec.get("block_kinds") else None)
     for i, (kind, name, members) in enumerate(parts):
         saved = {n: lin[n].weight.data.clone() for n in members}
         for n in members:

@@ -36,7 +36,7 @@ def windows(recipe, model_dir: Path) -> list[list[int]]:
 
 
 def measure(ctx, spent, threads: int = 0) -> dict:
-    """Per-part sensitivity for the recipe's search (one row per block, then per Linear kind), from the
+    """Per-part sensitivity for the recipe's search (one row per block, per Linear kind, per kind in a block), from the
     cache when measured before; also written to RUN/search/sensitivity.json."""
     recipe, out_dir = ctx.recipe, ctx.run_dir.root / "search"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -44,7 +44,7 @@ def measure(ctx, spent, threads: int = 0) -> dict:
     base = schemes.SCHEMES[sp.base_scheme]
     spec = {"model_dir": str(ctx.model_dir), "windows": windows(recipe, ctx.model_dir), "bits": base.weight_bits,
             "group_size": sp.group_size, "symmetric": base.symmetric, "kinds": sp.sensitivity.kinds,
-            "threads": threads}
+            "block_kinds": sp.units == "block_kinds", "threads": threads}
     key = hash_obj({"version": KEY_VERSION, "model": ctx.model_id, **{k: v for k, v in spec.items()
                     if k not in ("model_dir", "threads")}, "worker": keys.source_hash(WORKER),
                     "quantize_env": envs.requirements_file("quantize").read_text()})
@@ -67,11 +67,14 @@ def measure(ctx, spent, threads: int = 0) -> dict:
     return json.loads(cache.read_text())
 
 
-def ranked_parts(result: dict, kinds: bool = False) -> list[dict]:
-    """Blocks (and with `kinds`, Linear kinds too), most sensitive per weight first: mean KL over the
-    parameters the fallback would keep (blocks are alike in size, so among blocks this is KL order);
-    top-1 disagreement, then model order break ties."""
-    rows = [r for r in result["rows"] if r["kind"] == "block" or kinds]
+RANKED = {"blocks": ("block",), "blocks_and_kinds": ("block", "kind"), "block_kinds": ("block_kind",)}
+
+
+def ranked_parts(result: dict, units: str = "blocks") -> list[dict]:
+    """The parts a candidate may keep (recipe_search.SearchSpec.units), most sensitive per weight first:
+    mean KL over the parameters the fallback would keep (blocks are alike in size, so among blocks this
+    is KL order); top-1 disagreement, then model order break ties."""
+    rows = [r for r in result["rows"] if r["kind"] in RANKED[units]]
     return sorted(rows, key=lambda r: (-r["kl_mean"] / max(1, r["params"]), r["top1_agreement"], rows.index(r)))
 
 
