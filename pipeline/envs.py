@@ -177,19 +177,22 @@ def log_counter(log: Path, pattern: str, total: int | None = None):
 
 def run_module(kind: str, module: str, args: list[str], log: Path, timeout: float, what: str,
                hint: str = "", label: str = "", count_pattern: str | None = None, unit: str = "",
-               count_total: int | None = None) -> None:
+               count_total: int | None = None, progress_bars: bool = False) -> None:
     """Run `python -m module args` in this repo under the `kind` environment, output to `log`, with a
-    heartbeat while it runs (done/total when the log's lines match `count_pattern`). Raises
-    RuntimeError naming `what`, the exit code or timeout, the log's last line and path."""
+    heartbeat while it runs (done/total when the log's lines match `count_pattern`; `progress_bars`
+    lets the worker draw its tqdm bars into the log for that, which the pipeline otherwise turns off).
+    Raises RuntimeError naming `what`, the exit code or timeout, the log's last line and path."""
     from pipeline.progress import Heartbeat
 
     root = str(ROOT)
     counter = log_counter(log, count_pattern, count_total) if count_pattern else None
+    env = {k: v for k, v in os.environ.items() if not (progress_bars and k == "TQDM_DISABLE")}
+    env["PYTHONPATH"] = root
     with open(log, "w") as f, Heartbeat(what, label, count=counter, unit=unit):
         try:
             proc = subprocess.run([str(ensure(kind)), "-m", module, *args], cwd=root, stdout=f,
                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env={**os.environ, "PYTHONPATH": root}, timeout=timeout)
+                                  env=env, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{what} timed out after {timeout:g} s{hint}; log: {log}") from None
     if proc.returncode != 0:

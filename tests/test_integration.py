@@ -93,6 +93,13 @@ def test_run_completes_with_verdict(run):
     assert [v["variant"] for v in so["variants"]] == ["awq", "w8a8", "imported", "imported-ct", "kvfp8"]
     html = (run["dir"] / "report.html").read_text()
     assert "VERDICT" in html and "awq" in html
+    # quantization progress is read from llm-compressor's own bars, one subgraph per decoder layer (+ the head)
+    from pipeline.envs import log_counter
+    from pipeline.stages.quantize import PROGRESS
+
+    for name in ("awq", "w8a8"):
+        done, total = log_counter(run["dir"] / name / "quantize.log", PROGRESS)()
+        assert done == total and total >= 4, (name, done, total)
 
 
 def test_quality_numbers_are_real(run):

@@ -85,6 +85,10 @@ def test_a_subprocess_step_shows_done_total_read_from_its_log(monkeypatch, tmp_p
     lines = out.getvalue().splitlines()
     assert lines and all("search | sensitivity: 12/37 parts (32%)" in ln and "ETA" in ln for ln in lines)
     assert log_counter(tmp_path / "missing.log", r"(\d+)/(\d+)")() is None
-    log.write_text("Quantizing 1 module(s): ['model.layers.6.mlp.up_proj']\n"
-                   "Quantizing 1 module(s): ['model.layers.7.self_attn.q_proj']\nGPTQ | METRIC - error 3.1\n")
-    assert log_counter(log, r"\.layers\.(\d+)\.", 30)() == (7, 30)  # the quantize worker's layers
+    # llm-compressor's sequential pipeline, as its tqdm bars reach the quantize log (carriage returns)
+    from pipeline.stages.quantize import PROGRESS
+
+    log.write_text("(1/31): Calibrating: 100%|##########| 8/8 [00:01<00:00]\r(1/31): Propagating:  50%|#####| 4/8"
+                   "\r(1/31): Propagating: 100%|##########| 8/8\n2026-12-01 | AWQ | INFO - smoothing\n"
+                   "(2/31): Calibrating:  12%|#         | 1/8 [00:00<00:03]\r")
+    assert log_counter(log, PROGRESS)() == (2, 31)

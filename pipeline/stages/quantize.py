@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from pipeline import assets, checkpoints, envs, keys, modelcfg, provenance
+from pipeline import assets, checkpoints, envs, keys, provenance
 from pipeline.console import say
 from pipeline.recipe_files import EXAMPLE
 from pipeline.results import QuantizeResult
@@ -46,8 +46,9 @@ def _describe(recipe, v) -> str:
     return f"{what} on {recipe.calibration.num_samples}x{recipe.calibration.max_seq_len} calibration tokens"
 
 
-def _layers(model_dir: Path) -> int | None:
-    return modelcfg.text_config(modelcfg.read(model_dir)).get("num_hidden_layers")
+# llm-compressor's sequential pipeline (AWQ, GPTQ, SmoothQuant) draws "(3/31): Calibrating" bars, one
+# subgraph (a decoder layer) at a time; data-free schemes (RTN, FP8) have no calibration to count
+PROGRESS = r"\((\d+)/(\d+)\): (?:Calibrating|Propagating)"
 
 
 def _build(recipe, v, model_dir: Path, vdir: Path, ckpt: Path, also_dense: bool, spent) -> dict:
@@ -61,9 +62,8 @@ def _build(recipe, v, model_dir: Path, vdir: Path, ckpt: Path, also_dense: bool,
         envs.run_quantize_env("pipeline.engines.quantize_worker",
                               [str(vdir / "quantize-spec.json"), str(vdir / "quantize-worker.json")],
                               vdir / "quantize.log", recipe.calibration.timeout_s, "quantization", spent,
-                              hint=" (calibration.timeout_s)", label=v.name, unit="layers",
-                              # llm-compressor names each layer it works on (sequential pipelines)
-                              count_pattern=r"\.layers\.(\d+)\.", count_total=_layers(model_dir))
+                              hint=" (calibration.timeout_s)", label=v.name, unit="subgraphs",
+                              count_pattern=PROGRESS, progress_bars=True)
         if not (vdir / "quantize-worker.json").exists():
             raise RuntimeError(f"quantization wrote no result; log: {vdir / 'quantize.log'}")
         facts = json.loads((vdir / "quantize-worker.json").read_text())
