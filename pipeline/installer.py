@@ -95,8 +95,10 @@ class Installer:
             why = "uv failed above"
         elif os.environ.get("QUANTIZE_EVAL_INSTALLER", "").lower() == "pip":
             why = "QUANTIZE_EVAL_INSTALLER=pip"
+        elif (listing := self._pip_config()) is None:
+            why = "pip's settings could not be read (pip config list failed)"
         else:
-            settings, unknown = pip_settings(self._pip_config())
+            settings, unknown = pip_settings(listing)
             if unknown:
                 why = f"pip settings uv would not be given: {', '.join(sorted(unknown))}"
             else:
@@ -110,10 +112,13 @@ class Installer:
         self.log.write(text + "\n")
         self.log.flush()
 
-    def _pip_config(self) -> str:
-        proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
-                              text=True, timeout=120)
-        return proc.stdout if proc.returncode == 0 else ""
+    def _pip_config(self) -> str | None:
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
+                                  text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return proc.stdout if proc.returncode == 0 else None
 
     def run(self, cmd: list[str], env: dict | None = None) -> None:
         self._say("$ " + " ".join(cmd))
