@@ -187,8 +187,9 @@ def pipeline(scheme: str, items: int, work: Path) -> tuple[float, dict]:
               "calibration": {"num_samples": 16, "max_seq_len": 256},
               "variants": [{"name": scheme.replace("_", "-"), "scheme": scheme}],
               "quality": {"suites": ["piqa"], "limit": items},
+              # repeats 1: the by-hand side runs the cell once (the pipeline's default measures it 3 times)
               "workload": {"prompt_tokens": 256, "output_tokens": 64, "concurrency": 4, "num_requests": 32,
-                           "warmup_requests": 0},
+                           "warmup_requests": 0, "repeats": 1},
               "runs_dir": str(work / "runs")}
     path = work / "vs-by-hand.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
