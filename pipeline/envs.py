@@ -154,9 +154,11 @@ def ensure_extra(name: str) -> None:
         marker.write_text(req.read_text())
 
 
-def log_counter(log: Path, pattern: str, total: int | None = None):
+def log_counter(log: Path, pattern: str, total: int | None = None, passes: int | None = None):
     """(done, total) from the last match of `pattern` in `log`, for a heartbeat: two groups (done,
-    total), or with `total` given one group, the 0-based index of the part in progress."""
+    total), or with `total` given one group, the 0-based index of the part in progress. With `passes`
+    (two groups), the count restarts each pass (an index lower than the one before starts the next)
+    and done/total run over all of them: `passes` expected, or as many as were seen."""
     import re
 
     rx = re.compile(pattern)
@@ -164,20 +166,29 @@ def log_counter(log: Path, pattern: str, total: int | None = None):
     def count() -> tuple[int, int] | None:
         try:
             with open(log, "rb") as f:
-                f.seek(max(0, f.seek(0, 2) - 8192))
+                f.seek(0 if passes else max(0, f.seek(0, 2) - 8192))
                 tail = f.read().decode(errors="replace")
         except OSError:
             return None
         hits = rx.findall(tail)
         if not hits:
             return None
-        return (int(hits[-1]), total) if total else (int(hits[-1][0]), int(hits[-1][1]))
+        if total:
+            return int(hits[-1]), total
+        if passes:
+            seen, before = 1, 0
+            for h in hits:
+                seen, before = seen + (int(h[0]) < before), int(h[0])
+            n = int(hits[-1][1])
+            return (seen - 1) * n + int(hits[-1][0]), max(passes, seen) * n
+        return int(hits[-1][0]), int(hits[-1][1])
     return count
 
 
 def run_module(kind: str, module: str, args: list[str], log: Path, timeout: float, what: str,
                hint: str = "", label: str = "", count_pattern: str | None = None, unit: str = "",
-               count_total: int | None = None, progress_bars: bool = False) -> None:
+               count_total: int | None = None, count_passes: int | None = None,
+               progress_bars: bool = False) -> None:
     """Run `python -m module args` in this repo under the `kind` environment, output to `log`, with a
     heartbeat while it runs (done/total when the log's lines match `count_pattern`; `progress_bars`
     lets the worker draw its tqdm bars into the log for that, which the pipeline otherwise turns off).
@@ -185,7 +196,7 @@ def run_module(kind: str, module: str, args: list[str], log: Path, timeout: floa
     from pipeline.progress import Heartbeat
 
     root = str(ROOT)
-    counter = log_counter(log, count_pattern, count_total) if count_pattern else None
+    counter = log_counter(log, count_pattern, count_total, count_passes) if count_pattern else None
     env = {k: v for k, v in os.environ.items() if not (progress_bars and k == "TQDM_DISABLE")}
     env["PYTHONPATH"] = root
     with open(log, "w") as f, Heartbeat(what, label, count=counter, unit=unit):

@@ -92,3 +92,8 @@ def test_a_subprocess_step_shows_done_total_read_from_its_log(monkeypatch, tmp_p
                    "\r(1/31): Propagating: 100%|##########| 8/8\n2026-12-01 | AWQ | INFO - smoothing\n"
                    "(2/31): Calibrating:  12%|#         | 1/8 [00:00<00:03]\r")
     assert log_counter(log, PROGRESS)() == (2, 31)
+    # SmoothQuant then GPTQ: two passes over the 31 subgraphs, counted as one run of 62
+    with open(log, "a") as f:
+        f.write("(31/31): Propagating: 100%|##########| 8/8\r(1/31): Calibrating:   0%|\r(4/31): Calibrating: 50%|")
+    assert log_counter(log, PROGRESS, passes=2)() == (31 + 4, 62)
+    assert log_counter(log, PROGRESS, passes=1)() == (35, 62)  # more passes than expected: as many as seen

@@ -17,10 +17,11 @@ from pathlib import Path
 
 from pipeline import assets, checkpoints, envs, keys, provenance
 from pipeline.console import say
+from pipeline.engines.quantize_worker import build_recipe
 from pipeline.recipe_files import EXAMPLE
 from pipeline.results import QuantizeResult
 from pipeline.runstore import atomic_dir, hash_obj, read_result, weight_bytes, write_json
-from pipeline.schemes import W4_SCHEMES
+from pipeline.schemes import SCHEMES, W4_SCHEMES
 
 NOISE = ("No accelerator available",)
 
@@ -46,9 +47,21 @@ def _describe(recipe, v) -> str:
     return f"{what} on {recipe.calibration.num_samples}x{recipe.calibration.max_seq_len} calibration tokens"
 
 
-# llm-compressor's sequential pipeline (AWQ, GPTQ, SmoothQuant) draws "(3/31): Calibrating" bars, one
-# subgraph (a decoder layer) at a time; data-free schemes (RTN, FP8) have no calibration to count
+# llm-compressor's sequential pipeline draws "(3/31): Calibrating" bars, one subgraph (a decoder layer)
+# at a time, one pass per calibrating modifier (SmoothQuant then GPTQ: two); data-free schemes (RTN,
+# FP8) have no calibration to count
 PROGRESS = r"\((\d+)/(\d+)\): (?:Calibrating|Propagating)"
+CALIBRATING = ("SmoothQuantModifier", "AWQModifier", "GPTQModifier")
+
+
+def _passes(spec: dict) -> int:
+    if spec.get("recipe_file"):
+        text = Path(spec["recipe_file"]).read_text()
+    elif SCHEMES[spec["scheme"]].producer == "llm-compressor":
+        text = json.dumps(build_recipe(spec))
+    else:
+        text = ""
+    return max(1, sum(text.count(m) for m in CALIBRATING))
 
 
 def _build(recipe, v, model_dir: Path, vdir: Path, ckpt: Path, also_dense: bool, spent) -> dict:
@@ -63,7 +76,7 @@ def _build(recipe, v, model_dir: Path, vdir: Path, ckpt: Path, also_dense: bool,
                               [str(vdir / "quantize-spec.json"), str(vdir / "quantize-worker.json")],
                               vdir / "quantize.log", recipe.calibration.timeout_s, "quantization", spent,
                               hint=" (calibration.timeout_s)", label=v.name, unit="subgraphs",
-                              count_pattern=PROGRESS, progress_bars=True)
+                              count_pattern=PROGRESS, count_passes=_passes(spec), progress_bars=True)
         if not (vdir / "quantize-worker.json").exists():
             raise RuntimeError(f"quantization wrote no result; log: {vdir / 'quantize.log'}")
         facts = json.loads((vdir / "quantize-worker.json").read_text())
