@@ -117,7 +117,9 @@ def cmd_validate(args, recipe) -> int:
           + (f"; {pending}" if pending else ""))
     if recipe.search:
         sp = recipe.search
-        print(f"  search: {sp.base_scheme} g{sp.group_size or 'channel'}, blocks kept at "
+        parts = {"blocks": "decoder blocks", "blocks_and_kinds": "decoder blocks and Linear kinds",
+                 "block_kinds": "Linear kinds within blocks"}[sp.units]
+        print(f"  search: {sp.base_scheme} g{sp.group_size or 'channel'}, {parts} kept at "
               f"{' then '.join(sp.fallbacks)} by measured sensitivity, objective {sp.objective}, at most "
               f"{sp.max_builds} candidate(s); run it with `quantize-eval search {args.recipe}`")
     for line in preflight.power_statements(recipe):

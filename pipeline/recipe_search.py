@@ -37,7 +37,7 @@ class SensitivitySpec(Strict):
 
 
 class SearchSpec(Strict):
-    """Mixed precision by measured sensitivity: the k most sensitive decoder blocks kept at the fallback
+    """Mixed precision by measured sensitivity: the k most sensitive parts (units) kept at the fallback
     precision, the rest at the base scheme; k found by bisection toward the cheapest candidate whose gates
     pass. Every candidate is a real llm-compressor checkpoint, evaluated and signed off like a variant."""
 
