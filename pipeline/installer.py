@@ -23,10 +23,11 @@ from pathlib import Path
 
 UV = "uv==0.13.9"
 # pip settings with nothing to hand over: they change pip's chatter, not what gets installed
+# (pip's own cache: uv keeps its own)
 HARMLESS = {"disable-pip-version-check", "no-warn-script-location", "progress-bar", "quiet",
-            "verbose", "no-color", "root-user-action", "require-virtualenv"}
-LISTS = ("find-links", "extra-index-url")
-SINGLE = ("index-url", "constraint", "cert", "default-timeout", "timeout", "no-index")
+            "verbose", "no-color", "root-user-action", "require-virtualenv", "cache-dir", "no-cache-dir"}
+LISTS = ("find-links", "extra-index-url", "trusted-host")
+SINGLE = ("index-url", "constraint", "cert", "default-timeout", "timeout", "no-index", "proxy")
 # the sections `pip install` reads, weakest first (`pip config list` prints section.key)
 SCOPES = ("global", "install", ":env:")
 
@@ -75,8 +76,12 @@ def uv_arguments(settings: dict) -> tuple[list[str], dict[str, str]]:
         args += ["--extra-index-url", url]
     for place in settings.get("find-links", []):
         args += ["--find-links", place]
+    for host in settings.get("trusted-host", []):
+        args += ["--allow-insecure-host", host]
     if settings.get("constraint"):
         args += ["--constraint", settings["constraint"]]
+    if settings.get("proxy"):
+        env["HTTP_PROXY"] = env["HTTPS_PROXY"] = settings["proxy"]
     if settings.get("cert"):
         env["SSL_CERT_FILE"] = settings["cert"]
     timeout = settings.get("timeout") or settings.get("default-timeout")

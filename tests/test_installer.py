@@ -15,6 +15,9 @@ global.constraint='/etc/pip/constraints.txt'
 global.extra-index-url='file:///opt/a/simple file:///opt/b/simple'
 global.find-links='/opt/wheels /opt/more'
 global.index-url='https://mirror.example/simple'
+global.trusted-host='mirror.example'
+:env:.cache-dir='/tmp/fresh/pip-cache'
+:env:.proxy='http://proxy.example:3128'
 install.index-url='https://inner.example/simple'
 download.dest='/tmp/ignored'
 """
@@ -38,18 +41,20 @@ def test_uv_is_given_every_setting_that_changes_what_gets_installed():
     assert "--extra-index-url file:///opt/a/simple --extra-index-url file:///opt/b/simple" in joined
     assert "--find-links /opt/wheels --find-links /opt/more" in joined
     assert "--constraint /etc/pip/constraints.txt" in joined
-    assert env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca.crt", "UV_HTTP_TIMEOUT": "180"}
+    assert "--allow-insecure-host mirror.example" in joined
+    assert env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca.crt", "UV_HTTP_TIMEOUT": "180",
+                   "HTTP_PROXY": "http://proxy.example:3128", "HTTPS_PROXY": "http://proxy.example:3128"}
     assert "--no-index" in installer.uv_arguments({"no-index": "true"})[0]
 
 
 def test_a_pip_setting_uv_cannot_be_given_means_pip(tmp_path, monkeypatch):
     monkeypatch.delenv("QUANTIZE_EVAL_INSTALLER", raising=False)
     monkeypatch.setattr(installer.Installer, "_pip_config",
-                        lambda self: LISTING + "global.trusted-host='mirror.example'\n")
+                        lambda self: LISTING + "global.use-feature='truststore'\n")
     log = io.StringIO()
     chosen = installer.Installer(tmp_path / "tools", log)
     assert chosen.name == "pip" and chosen.uv is None
-    assert "trusted-host" in log.getvalue()
+    assert "use-feature" in log.getvalue()
     assert not (tmp_path / "tools").exists()  # uv was not even installed
 
 
