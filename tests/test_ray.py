@@ -111,9 +111,17 @@ def test_results_match_the_local_executor(runs):
     for name in ("baseline", "w8a8", "rtn"):
         for d_name in ("local_dir", "ray_dir"):
             assert load(runs[d_name], name, "quality.json")["status"] == "ok"
-        items = [[json.loads(x)["correct"] for x in (runs[d] / name / "samples" / "piqa.jsonl").read_text().splitlines()]
-                 for d in ("local_dir", "ray_dir")]
-        assert items[0] == items[1], name
+        local, ray = [[json.loads(x) for x in (runs[d] / name / "samples" / "piqa.jsonl").read_text().splitlines()]
+                      for d in ("local_dir", "ray_dir")]
+        assert [r["doc_id"] for r in local] == [r["doc_id"] for r in ray], name
+        for a, b in zip(local, ray, strict=False):
+            # the same weights and prompts; the engine's batches depend on request timing, and batched
+            # float kernels sum in another order, so log-likelihoods agree closely, not bit for bit, and
+            # only an item whose choices nearly tie (per character, as acc_norm compares them) may flip
+            assert max(abs(x - y) for x, y in zip(a["loglikelihoods"], b["loglikelihoods"], strict=False)) < 0.1, (name, a, b)
+            if a["correct"] != b["correct"]:
+                per_char = [ll / len(c) for ll, c in zip(a["loglikelihoods"], a["choices"], strict=False)]
+                assert abs(per_char[0] - per_char[1]) < 2e-3, (name, a["doc_id"], per_char)
     for name in ("w8a8", "rtn"):
         a, b = load(runs["local_dir"], name, "quantize.json"), load(runs["ray_dir"], name, "quantize.json")
         assert a["checkpoint_bytes"] == b["checkpoint_bytes"] and a["facts"] == b["facts"]
@@ -136,5 +144,8 @@ def test_killed_worker_is_retried_without_redoing_finished_stages(runs):
     assert new_pid != runs["killed"]  # a retry ran on another worker process
     assert (d / "quantize.json").stat().st_mtime_ns == runs["quantize_mtime"]  # not recomputed
     assert load(d, "systems.json")["status"] == "ok"
-    leftovers = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True)
-    assert leftovers.returncode == 1, leftovers.stdout  # no engine outlived its killed worker
+    # no engine of this test's runs (their recipes' seeds 101 and 202 are on each engine's command line)
+    # outlived its killed worker; other engines on this machine are not this test's to find
+    leftovers = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server .*--seed (101|202) "],
+                               capture_output=True)
+    assert leftovers.returncode == 1, leftovers.stdout

@@ -24,12 +24,18 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def engines_of(marker: str) -> list[psutil.Process]:
+def engines_of(cwd: Path) -> list[psutil.Process]:
+    """vLLM processes started by this test's runs, known by their working folder (the runs' own): the
+    engine core renames itself (VLLM::EngineCore), which also overwrites what /proc shows of its
+    command line and environment, and other runs' engines on this machine are not this test's to find."""
     out = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "vllm.entrypoints" in cmd and marker in cmd or (p.info["cmdline"] and "VLLM" in p.name()):
-            out.append(p)
+    for p in psutil.process_iter(["cmdline", "name"]):
+        try:
+            if "vllm" in " ".join(p.info["cmdline"] or []).lower() or "VLLM" in (p.info["name"] or ""):
+                if Path(p.cwd()) == cwd:
+                    out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
     return out
 
 
@@ -82,7 +88,7 @@ def test_sigkill_at_several_points_then_resume(tmp_path):
     quality = run_dir / "baseline" / "quality.json"
     before = (quality.read_bytes(), quality.stat().st_mtime_ns)
     time.sleep(3)
-    assert not engines_of(str(model)), "an engine outlived the SIGKILLed run"
+    assert not engines_of(tmp_path), "an engine outlived the SIGKILLed run"
 
     # 2: killed while the variant quantizes
     p = start(cmd, tmp_path, env)
@@ -101,7 +107,7 @@ def test_sigkill_at_several_points_then_resume(tmp_path):
     assert so["variants"][0]["verdict"] in ("PASS", "WARN")
     assert not list((run_dir.parent).glob("killme-*"))[1:], "a second run folder was created"
     time.sleep(2)
-    assert not engines_of(str(model))
+    assert not engines_of(tmp_path)
 
     # 4: a variant that fails (its quantization times out) ends FAILED-TO-RUN; the others
     # keep their results and the run exits 1. No engine is needed for any of it.
@@ -147,5 +153,5 @@ def test_sigkill_at_several_points_then_resume(tmp_path):
     assert "interrupted: finished stages are kept" in out
     assert not (run_dir / "baseline" / "engine.pgid").exists()
     time.sleep(2)
-    assert not engines_of(str(model)), "an engine outlived Ctrl-C"
+    assert not engines_of(tmp_path), "an engine outlived Ctrl-C"
     assert (quality.read_bytes(), quality.stat().st_mtime_ns) == before
