@@ -43,6 +43,7 @@ def one_run(installer: str) -> tuple[float, dict[str, float], str]:
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for kind in ("quantize", "engine")}
     ready: dict[str, float] = {}
+    by: dict[str, str] = {}
     errors = []
     while len(ready) < len(procs):
         for kind, proc in procs.items():
@@ -51,15 +52,14 @@ def one_run(installer: str) -> tuple[float, dict[str, float], str]:
                 err = proc.stderr.read()
                 if proc.returncode != 0:
                     errors.append(f"{kind}: {err.strip()[-400:]}")
-                elif "ready (" in err:
-                    ready_line = [ln for ln in err.splitlines() if "ready (" in ln][-1]
-                    ready[kind + "_by"] = ready_line.rsplit("(", 1)[1].rstrip(")")
+                said = [ln for ln in err.splitlines() if "ready (" in ln]
+                by[kind] = said[-1].rsplit("(", 1)[1].rstrip(")") if said else "?"
         time.sleep(0.5)
     wall = time.perf_counter() - t0
     shutil.rmtree(fresh, ignore_errors=True)
     if errors:
         raise SystemExit("setup failed: " + " | ".join(errors))
-    return wall, ready, f"engine by {ready.get('engine_by', '?')}, quantize by {ready.get('quantize_by', '?')}"
+    return wall, ready, f"engine by {by['engine']}, quantize by {by['quantize']}"
 
 
 def main() -> None:
