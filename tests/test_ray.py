@@ -114,13 +114,13 @@ def test_results_match_the_local_executor(runs):
         local, ray = [[json.loads(x) for x in (runs[d] / name / "samples" / "piqa.jsonl").read_text().splitlines()]
                       for d in ("local_dir", "ray_dir")]
         assert [r["doc_id"] for r in local] == [r["doc_id"] for r in ray], name
-        for a, b in zip(local, ray, strict=False):
+        for a, b in zip(local, ray, strict=True):
             # the same weights and prompts; the engine's batches depend on request timing, and batched
             # float kernels sum in another order, so log-likelihoods agree closely, not bit for bit, and
             # only an item whose choices nearly tie (per character, as acc_norm compares them) may flip
-            assert max(abs(x - y) for x, y in zip(a["loglikelihoods"], b["loglikelihoods"], strict=False)) < 0.1, (name, a, b)
+            assert max(abs(x - y) for x, y in zip(a["loglikelihoods"], b["loglikelihoods"], strict=True)) < 0.1, (name, a, b)
             if a["correct"] != b["correct"]:
-                per_char = [ll / len(c) for ll, c in zip(a["loglikelihoods"], a["choices"], strict=False)]
+                per_char = [ll / len(c) for ll, c in zip(a["loglikelihoods"], a["choices"], strict=True)]
                 assert abs(per_char[0] - per_char[1]) < 2e-3, (name, a["doc_id"], per_char)
     for name in ("w8a8", "rtn"):
         a, b = load(runs["local_dir"], name, "quantize.json"), load(runs["ray_dir"], name, "quantize.json")
