@@ -32,6 +32,11 @@ class SensitivitySpec(Strict):
 
     windows: int = Field(4, ge=1, le=256, description="Token windows of the drift corpus scored per part.")
     window_tokens: int = Field(512, ge=16, le=8192, description="Tokens per window.")
+    method: Literal["calibrated", "rtn"] = Field(
+        "calibrated", description="calibrated: run the base scheme's own llm-compressor recipe in memory first "
+        "and measure what it leaves in each part (AWQ fixes most of q/k/v's rounding error, none of o_proj's), "
+        "plus an emulated curve of the top parts kept that guesses the first k; rtn: each part rounded to "
+        "nearest (faster, blind to what the algorithm fixes).")
     kinds: bool = Field(True, description="Also measure each Linear kind (every q_proj, every down_proj, ...) "
                         "across all blocks: shown in the report, and candidates of units: blocks_and_kinds keep them.")
 

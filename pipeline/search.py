@@ -27,6 +27,7 @@ import yaml
 
 from pipeline import envs, keys, membudget, mixed, modelcfg, outcome, provenance, runner
 from pipeline.console import say
+from pipeline.engines.sensitivity_parts import kept_modules
 from pipeline.outcome import Spent
 from pipeline.recipe import Recipe, VariantSpec
 from pipeline.runstore import atomic_write_text, hash_obj, run_lock, write_json
@@ -34,6 +35,7 @@ from pipeline.stages import sensitivity
 
 PASSING = ("PASS", "WARN")
 TOP1_MARGIN = 0.01  # the first guess aims this far above a top-1 gate (judged on its CI's lower bound)
+SAFETY = 0.005  # a curve's guess aims this far above the point whose CI's lower bound would clear the gate
 
 
 def candidate_name(fallback: str, k: int) -> str:
@@ -59,6 +61,37 @@ def first_guess(ranked: list[dict], uniform_top1: float | None, top1_floor: floa
         if acc >= sum(kl) / 2:
             return k
     return n
+
+
+def _at(points: list[tuple[int, float]], k: float) -> float:
+    """Linear interpolation of (k, value) points, sorted by k; flat beyond the ends."""
+    if k <= points[0][0]:
+        return points[0][1]
+    for (k0, v0), (k1, v1) in zip(points, points[1:], strict=False):  # consecutive pairs
+        if k <= k1:
+            return v0 + (v1 - v0) * (k - k0) / max(1, k1 - k0)
+    return points[-1][1]
+
+
+def curve_guess(sens: dict, measured: dict[int, dict], top1_floor: float, n: int) -> int | None:
+    """The next k read off the sensitivity worker's emulated curve (top-1 of the all-quantized model with
+    the first k parts kept), calibrated on the largest k measured so far (all failing): the curve shifted
+    by that candidate's measured - emulated top-1, aimed so that a CI as wide as that candidate's clears
+    the floor. None when the curve never gets there (or there is none)."""
+    if not sens.get("curve") or "uniform" not in sens or not measured:
+        return None
+    points = [(0, sens["uniform"]["top1_agreement"])] + [(c["k"], c["top1_agreement"]) for c in sens["curve"]]
+    ref = max(measured)
+    row = measured[ref]
+    if row.get("top1_agreement") is None:
+        return None
+    ci = row.get("top1_ci") or [None]
+    margin = row["top1_agreement"] - ci[0] if ci[0] is not None else TOP1_MARGIN
+    target = top1_floor + max(margin, 0.0) + SAFETY - (row["top1_agreement"] - _at(points, ref))
+    for k in range(ref + 1, min(n, points[-1][0]) + 1):
+        if _at(points, k) >= target:
+            return k
+    return None
 
 
 def next_k(tried: dict[int, bool], n: int, guess: int) -> int | None:
@@ -142,11 +175,6 @@ def _judge(ctx, manifest: dict, v: VariantSpec):
     return signoff(one, manifest["recipe_hash"], ctx.run_dir.root, results).variants[0]
 
 
-def kept_modules(ranked: list[dict], k: int) -> list[str]:
-    """The Linear modules the first k parts keep, each once (a block and a kind overlap), in part order."""
-    return list(dict.fromkeys(m for r in ranked[:k] for m in r["modules"]))
-
-
 def ladder_length(ranked: list[dict], modules: list[str], fallback: str) -> int:
     """The largest k worth building: parts past the one that keeps every module add nothing, and keeping
     every module unquantized is the baseline itself."""
@@ -190,17 +218,22 @@ def choose(rows: list[dict], objective: str) -> dict | None:
     return min(ok, key=lambda r: (r["native_weight_bytes"], r["name"]), default=None)
 
 
-def ladder(sp, ranked: list[dict], top1_floor: float | None, build, length=None) -> list[dict]:
+def ladder(sp, ranked: list[dict], top1_floor: float | None, build, length=None, sens: dict | None = None
+           ) -> list[dict]:
     """The candidates built, in order: build(fallback, k) -> its row (with "verdict" and
-    "top1_agreement"); length(fallback) -> the largest k (default: every part). Each fallback in turn,
-    until one has a passing k or the cap is reached."""
+    "top1_agreement"); length(fallback) -> the largest k (default: every part); sens, the sensitivity
+    result, whose emulated curve (if any) guesses k while nothing passes. Each fallback in turn, until one
+    has a passing k or the cap is reached."""
     rows: list[dict] = []
     uniform = None
     for fallback in sp.fallbacks:
         n = length(fallback) if length else len(ranked)
         tried: dict[int, bool] = {} if uniform is None else {0: uniform["verdict"] in PASSING}
+        measured: dict[int, dict] = {} if uniform is None else {0: uniform}
         while len(rows) < sp.max_builds:
             guess = first_guess(ranked[:n], uniform["top1_agreement"] if uniform else None, top1_floor)
+            if top1_floor is not None and not any(tried.values()):
+                guess = curve_guess(sens or {}, measured, top1_floor, n) or guess
             k = next_k(tried, n, guess)
             if k is None:
                 break
@@ -208,7 +241,7 @@ def ladder(sp, ranked: list[dict], top1_floor: float | None, build, length=None)
             rows.append(row)
             if row["verdict"] == "FAILED-TO-RUN":  # says nothing of quality: stop rather than spend the cap
                 return rows
-            tried[k] = row["verdict"] in PASSING
+            tried[k], measured[k] = row["verdict"] in PASSING, row
             uniform = row if k == 0 else uniform
         if any(tried.values()) or len(rows) >= sp.max_builds:
             break
@@ -239,7 +272,7 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
     t_ladder = time.perf_counter()
     rows = ladder(recipe.search, ranked, _gate_floor(recipe, "top1_agreement"),
                   lambda fallback, k: _candidate(ctx, manifest, ranked, modules, fallback, k),
-                  lambda fallback: ladder_length(ranked, modules, fallback))
+                  lambda fallback: ladder_length(ranked, modules, fallback), sens)
     timings["search ladder"] = time.perf_counter() - t_ladder
     manifest["recipe"] = ctx.recipe.model_dump(mode="json")  # the candidates are the run's variants now
     try:
@@ -278,6 +311,8 @@ def _answer(ctx, recipe: Recipe, recipe_path: Path, ranked, sens, rows, refs, an
         "built_now": sum(r["built_now"] for r in rows), "answer": answer["name"] if answer else None,
         "reproduce_recipe": str(reproduce) if reproduce else None,
         "sensitivity_grid": sens.get("grid"), "sensitivity_tokens": sens.get("tokens"),
+        "sensitivity_method": sens.get("method", "rtn"), "sensitivity_uniform": sens.get("uniform"),
+        "sensitivity_curve": sens.get("curve"),
         "ranking": [r["part"] for r in ranked],
     }
     write_json(out / "search.json", {**summary, "rows": rows, "references": refs, "sensitivity": sens["rows"]})

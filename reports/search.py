@@ -61,12 +61,20 @@ def search_section(run: Run) -> str:
             "nothing on this table is extrapolated. Weights as loaded natively: floating-point tensors in the "
             "model's own dtype, quantized tensors as stored (what a native kernel holds; where this CPU lacks "
             "the 4-bit kernel the quality was measured on exact dequantized weights and KV tokens are "
-            f"projected). Sensitivity: {escape(str(s.get('sensitivity_grid')))}, one block at a time, on "
-            f"{s.get('sensitivity_tokens')} held-out tokens of the drift corpus; parts ranked by that KL per "
-            "weight kept (" + escape(str(s.get("units", "blocks"))) + "); it only chose which k to build.</p>")
+            f"projected). Sensitivity: {escape(str(s.get('sensitivity_grid')))}, on "
+            f"{s.get('sensitivity_tokens')} held-out tokens of the drift corpus; parts ("
+            + escape(str(s.get("units", "blocks"))) + ") ranked by " + escape(_ranked_by(s))
+            + "; it only chose which k to build.</p>")
     table_html = table(["candidate", "keeps", "verdict", "top-1 [CI]", "KL", "Δ accuracy [CI]", "weights (native)",
                         "checkpoint", "KV tokens", "build"], rows, left=2)
     return ("<h2>Search frontier</h2>" + table_html + frontier_chart(s) + sensitivity_chart(s) + note)
+
+
+def _ranked_by(s: dict) -> str:
+    if s.get("sensitivity_method") == "calibrated":
+        return ("the KL that part alone adds, quantized by the base scheme's own calibration (run in memory), per "
+                "weight kept; an emulated curve of the top parts kept guessed the first k")
+    return "the KL that part alone adds when rounded to the nearest point of the base grid, per weight kept"
 
 
 def frontier_chart(s: dict) -> str:
@@ -100,10 +108,11 @@ def frontier_chart(s: dict) -> str:
 
 
 def sensitivity_chart(s: dict) -> str:
-    """Mean KL per token when only that part is rounded to the base grid: one bar per block, then per kind."""
+    """Mean KL per token when only that part is quantized (the rest unquantized): one bar per block, then per
+    kind."""
     rows = [r for r in s.get("sensitivity") or [] if r["kind"] in ("block", "kind")]
     if not rows:
-        return ""
+        return block_kind_chart(s)
     kept = set()
     answer = next((r for r in s.get("rows", []) if r["name"] == s.get("answer")), None)
     if answer:
@@ -124,7 +133,7 @@ def sensitivity_chart(s: dict) -> str:
             + f'<text x="{pad - 4}" y="{pad + 4}" font-size="11" text-anchor="end">{top:.3f}</text>')
     return _figure(w, h, "Sensitivity per block and Linear kind", axes + bars,
                    "Sensitivity: mean KL to the baseline when only that block (blue; kept by the answer: amber) or "
-                   "that Linear kind in every block (purple) is rounded to the base grid") + block_kind_chart(s)
+                   "that Linear kind in every block (purple) is quantized by the base scheme") + block_kind_chart(s)
 
 
 GROUP_COLOURS = ("#0969da", "#8250df", "#1a7f37", "#cf222e", "#57606a", "#9a6700")
@@ -164,5 +173,6 @@ def block_kind_chart(s: dict) -> str:
     axes = (_axes(w, h, pad, "decoder block", "KL per million weights")
             + f'<text x="{pad - 4}" y="{pad + 4}" font-size="11" text-anchor="end">{top:.4f}</text>')
     return _figure(w, h, "Sensitivity per Linear kind in each block", axes + bars,
-                   "Sensitivity per kind in each block, per weight it would keep (the ranking's measure): "
+                   "Sensitivity per kind in each block: KL when only that group is quantized, per weight it would "
+                   "keep (the ranking's measure): "
                    f"{legend}; kept by the answer: amber")

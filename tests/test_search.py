@@ -255,7 +255,7 @@ def test_parts_rank_by_sensitivity_per_weight_and_overlaps_count_once():
 def test_block_kinds_rank_each_input_sharing_group_within_each_block():
     """units: block_kinds: the worker cuts each block into its input-sharing groups, the search ranks only
     those (not whole blocks or kinds across blocks), and people read them grouped by kind."""
-    from pipeline.engines.sensitivity_worker import parts_of
+    from pipeline.engines.sensitivity_parts import parts_of
     from pipeline.stages.sensitivity import linear_modules, ranked_parts
 
     names = [f"model.layers.{b}.{k}" for b in range(2) for k in ("q_proj", "k_proj", "v_proj", "down_proj")]
@@ -292,3 +292,59 @@ def test_report_draws_the_kinds_within_blocks_and_marks_the_kept_ones(tmp_path):
     assert svg.count("<rect") == 3 + 6  # three blocks, then two groups in each of the three
     kept = [t for t in svg.split("<rect")[1:] if ", kept</title>" in t]
     assert len(kept) == 1 and 'fill="#bf8700"' in kept[0] and "down_proj in block 2" in kept[0]
+
+
+def test_curve_points_are_where_the_ranked_parts_hold_each_fraction_of_the_weights():
+    from pipeline.engines.sensitivity_parts import curve_ks
+
+    ranked = [{"part": p, "params": n} for p, n in (("x", 50), ("y", 30), ("z", 20))]
+    # the smallest k whose parts hold each fraction of the weights: 50% -> x; 80% -> x+y; 100% -> all
+    assert curve_ks(ranked, [0.1, 0.5, 0.8, 0.9, 1.0]) == [1, 2, 3]
+
+
+def test_the_curve_guesses_k_calibrated_on_the_last_measured_candidate():
+    from pipeline.search import curve_guess
+
+    sens = {"uniform": {"top1_agreement": 0.75},
+            "curve": [{"k": 10, "top1_agreement": 0.80}, {"k": 20, "top1_agreement": 0.85},
+                      {"k": 40, "top1_agreement": 0.90}]}
+    uniform = {"top1_agreement": 0.77, "top1_ci": [0.76, 0.78]}  # measured 0.02 above the emulation
+    # the lower bound must clear 0.85: point >= 0.85 + 0.01 (its CI's half-width) + 0.005, i.e. an emulated
+    # 0.845 -> k = 19 on the segment from (10, 0.80) to (20, 0.85)
+    assert curve_guess(sens, {0: uniform}, 0.85, 60) == 19
+    # the guess at 19 failed, measured 0.01 below the curve: the curve is shifted down for the next guess
+    measured = {0: uniform, 19: {"top1_agreement": 0.835, "top1_ci": [0.82, 0.85]}}
+    assert curve_guess(sens, measured, 0.85, 60) == 32  # emulated 0.880 needed: (20, .85) .. (40, .90)
+    assert curve_guess(sens, {0: uniform}, 0.99, 60) is None  # the curve never gets there
+    assert curve_guess({}, {0: uniform}, 0.85, 60) is None  # an rtn sensitivity has no curve
+
+
+def test_the_ladder_builds_the_curves_guess_then_bisects():
+    calls: list = []
+
+    def build(fallback, k):
+        calls.append(k)
+        ok = k >= 24
+        top1 = 0.77 if k == 0 else 0.85 + (k - 20) * 0.004
+        return {"name": f"k{k}", "verdict": "PASS" if ok else "FAIL", "top1_agreement": top1,
+                "top1_ci": [top1 - 0.01, top1 + 0.01], "native_weight_bytes": 100 + k}
+
+    sens = {"uniform": {"top1_agreement": 0.75},
+            "curve": [{"k": 10, "top1_agreement": 0.80}, {"k": 20, "top1_agreement": 0.85},
+                      {"k": 40, "top1_agreement": 0.90}]}
+    rows = ladder(SearchSpec(max_builds=8), ranked(60), 0.85, build, sens=sens)
+    assert calls[:2] == [0, 19]  # uniform, then the curve's guess (not the proportional one)
+    assert calls[2] > 19 and choose(rows, "memory")["name"] == "k24"
+    assert len(calls) <= 6
+
+
+def test_report_says_how_the_parts_were_ranked():
+    from reports.search import search_section
+
+    s = _search_json("search-w8a16-k03")
+
+    class Run:
+        search = s
+    assert "rounded to the nearest point of the base grid" in search_section(Run())
+    s["sensitivity_method"] = "calibrated"
+    assert "own calibration (run in memory)" in search_section(Run())

@@ -41,14 +41,23 @@ def make_fragile(src: Path, out: Path, block: int) -> Path:
     return out
 
 
-def sensitivity_of(model: Path, tmp: Path) -> dict:
+def sensitivity_of(model: Path, tmp: Path, scheme: str | None = None, **extra) -> dict:
+    """The worker's result; with `scheme`, calibrated: that scheme's own recipe run in memory first."""
+    import yaml as yml
     from transformers import AutoTokenizer
 
-    from pipeline import drift, suites
+    from pipeline import assets, drift, suites
+    from pipeline.engines.quantize_worker import build_recipe
 
+    tmp.mkdir(parents=True, exist_ok=True)
     ids = suites.essay_ids(AutoTokenizer.from_pretrained(model))
     spec = {"model_dir": str(model), "windows": drift.windows_from_ids(ids, 2, 128), "bits": 4, "group_size": 64,
-            "symmetric": True, "kinds": True, "threads": 0}
+            "symmetric": scheme != "awq_w4a16" if scheme else True, "kinds": True, "threads": 0, **extra}
+    if scheme:
+        spec.update(method="calibrated", fallback_bits=8, curve=[0.25, 0.5, 1.0], units="blocks",
+                    recipe=yml.safe_dump(build_recipe({"scheme": scheme, "ignore": ["lm_head"], "group_size": 64})),
+                    calibration={"calibration_file": str(assets.calibration_text("xsum")), "num_samples": 4,
+                                 "max_seq_len": 64})
     (tmp / "spec.json").write_text(json.dumps(spec))
     envs.run_module("quantize", "pipeline.engines.sensitivity_worker", [str(tmp / "spec.json"), str(tmp / "out.json")],
                     tmp / "sensitivity.log", 900, "sensitivity")
@@ -66,6 +75,37 @@ def test_sensitivity_ranks_the_fragile_block_first(tmp_path):
     assert [r["part"] for r in kinds] == ["q_proj+k_proj+v_proj", "o_proj", "gate_proj+up_proj", "down_proj"]
     assert [len(r["modules"]) for r in kinds] == [12, 4, 8, 4] and all(len(r["modules"]) == 7 for r in ranked)
     assert all(0 <= r["top1_agreement"] <= 1 and r["kl_mean"] >= 0 for r in result["rows"])
+
+
+def test_calibrated_sensitivity_measures_the_same_grid_and_scores_from_mid_model(tmp_path):
+    """llm-compressor's own RTN run in memory gives the rtn method's figures (the fragile block first);
+    scoring from the cached state entering a block gives what whole forwards give; the emulated curve
+    keeps more and drifts less."""
+    model = make_fragile(tinymodel.build(tmp_path / "tiny", seed=5), tmp_path / "fragile", FRAGILE)
+    rtn = sensitivity_of(model, tmp_path / "rtn")
+    cal = sensitivity_of(model, tmp_path / "cal", "rtn_w4a16")
+    whole = sensitivity_of(model, tmp_path / "whole", "rtn_w4a16", tail=False)
+    assert cal["method"] == "calibrated" and cal["tail"] is True and whole["tail"] is False
+    assert cal["floats"]["kl_mean"] < 1e-6  # the floats are the model's own
+    for a, b, c in zip(rtn["rows"], cal["rows"], whole["rows"], strict=True):
+        assert a["part"] == b["part"] == c["part"]
+        assert b["kl_mean"] == pytest.approx(a["kl_mean"], rel=1e-3, abs=1e-6)
+        assert b["kl_mean"] == pytest.approx(c["kl_mean"], rel=1e-4, abs=1e-7)
+    assert ranked_parts(cal)[0]["part"] == f"model.layers.{FRAGILE}", [(r["part"], r["kl_mean"]) for r in cal["rows"]]
+    ks = [c["k"] for c in cal["curve"]]
+    assert ks == sorted(ks) and ks[-1] == 4  # every block kept at the end
+    assert cal["curve"][-1]["kl_mean"] < 0.25 * cal["uniform"]["kl_mean"]  # 8-bit everywhere drifts far less
+
+
+@pytest.mark.parametrize("scheme", ["awq_w4a16", "gptq_w4a16"])
+def test_calibrated_floats_are_the_ones_the_algorithm_leaves(tmp_path, scheme):
+    """AWQ's floats are its smoothed weights (beside its smoothed norms: the outputs unchanged); GPTQ writes
+    rounded values into the weights, so its floats are the originals. Either way the all-float model is the
+    unquantized model, and the all-quantized one is not."""
+    cal = sensitivity_of(tinymodel.build(tmp_path / "tiny", seed=3), tmp_path / "cal", scheme, kinds=False)
+    assert cal["floats"]["kl_mean"] < 1e-5 and cal["floats"]["top1_agreement"] > 0.999, cal["floats"]
+    assert cal["uniform"]["kl_mean"] > 100 * max(cal["floats"]["kl_mean"], 1e-8)
+    assert cal["calibration_s"] > 0 and cal["rows"] and all(r["kl_mean"] >= 0 for r in cal["rows"])
 
 
 @pytest.fixture(scope="module")

@@ -1,28 +1,40 @@
-"""How much each part of a model moves its next-token predictions when only that part is quantized.
-Runs under the *quantize* environment (torch + compressed-tensors), no engine:
+"""How much each part of a model moves its next-token predictions when only that part is quantized. Runs under
+the *quantize* environment (torch, compressed-tensors, llm-compressor), no engine:
 
     <quantize-env>/bin/python -m pipeline.engines.sensitivity_worker SPEC.json RESULT.json
 
-SPEC: model_dir, windows (token id lists cut from the drift corpus), bits, group_size, symmetric,
-kinds (also measure each Linear kind across every block), block_kinds (and each such group within each
-block), threads. For each part (one decoder block; one group of Linear kinds that read the same input,
-e.g. every q/k/v, every down_proj, across all blocks: vLLM fuses such layers and AWQ smooths them
-together, so they keep one scheme; or one such group in one block) that part's
-Linear weights are rounded to nearest on the scheme's grid with compressed-tensors' own
-`calculate_qparams` / `fake_quantize` (the grid llm-compressor writes), everything else kept; the
-windows' next-token distributions are compared with the unquantized model's over the full vocabulary:
-mean KL(base || part) per token and top-1 agreement. RESULT: one row per part, in model order.
-Imports nothing from this package: it runs in the other environment.
+Parts: one decoder block; one group of Linear kinds that read the same input (q/k/v, gate/up: vLLM fuses
+them and AWQ smooths them together, so they keep one scheme) across every block; or one such group in one
+block (pipeline/engines/sensitivity_parts.py).
+
+method "calibrated" (what the search uses): the base scheme's own llm-compressor recipe (the uniform
+candidate's) is run in memory on the calibration set, so every Linear has its float weights as the
+algorithm left them (AWQ's smoothed channels; GPTQ, which writes rounded values, keeps the originals) and
+its quantized values. Then, per part, on drift-corpus windows and over the full vocabulary against the
+unquantized model: `kl_mean` / `top1_agreement` with only that part quantized. On the default model AWQ
+cuts q/k/v's damage 3-5x against round-to-nearest and leaves o_proj's (its v_proj->o_proj mapping is
+skipped under GQA) as it was, so the ranking moves. With `curve`, the worker also scores the all-quantized
+model with the first k ranked parts kept at the fallback precision, for the k that keep each fraction
+of the weights in `curve`: the search's first guess. (Ranking instead by what keeping each part alone
+recovers from the all-quantized model, measured in context, was tried: on 4 windows it is noisier and
+ranked worse, top-1 0.843 vs 0.854 at a third of the weights kept, emulated on the drift windows.)
+method "rtn": each part alone rounded to nearest on the grid (compressed-tensors' own calculate_qparams /
+fake_quantize), no calibration.
+
+Parts inside one block are scored from the hidden state entering that block, cached, when the model's
+forward can start there (checked against a whole forward; otherwise every score is a whole forward).
+Imports nothing from this package but the quantize worker and the part helpers (same environment).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
+
+from pipeline.engines import sensitivity_parts as sp
 
 
 def _args(bits: int, group_size: int | None, symmetric: bool):
@@ -48,55 +60,48 @@ def fake_quant(w, args):
     return fake_quantize(w.float(), scale, zp, args).to(w.dtype)
 
 
-def linears(model) -> dict[str, object]:
-    """The decoder blocks' Linear layers (the lm_head and embeddings stay, as the schemes leave them)."""
+def calibrated(spec: dict, model, lin: dict) -> tuple[dict, dict, float]:
+    """The base scheme's recipe run in memory: (float weights, quantized weights) per decoder Linear,
+    and the seconds it took. Weights the algorithm already rounded (GPTQ) keep their originals as floats."""
     import torch
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+    from llmcompressor import oneshot
+    from transformers import AutoTokenizer
 
-    return {n: m for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and re.search(r"\.layers\.\d+\.", n)}
+    from pipeline.engines.quantize_worker import calibration_dataset, patch_cpu_only
 
-
-def shared_inputs(model, lin: dict, window) -> list[list[str]]:
-    """Linear kinds grouped by the input they read in the first block (q, k and v read one normed hidden
-    state; gate and up another). vLLM fuses such layers and needs one scheme for all of them, and AWQ
-    smooths them together, so a kind kept at the fallback is kept with its input-sharing siblings."""
-    import torch
-
-    first = re.match(r"(.*\.layers\.\d+)\.", next(iter(lin))).group(1) + "."
-    seen: dict[str, object] = {}  # the input tensors themselves, held: a freed one's address is reused
-
-    def note(name: str):
-        def hook(mod, inp, out) -> None:  # returns nothing: a value would replace the layer's output
-            seen.setdefault(name, inp[0])
-        return hook
-
-    hooks = [m.register_forward_hook(note(n)) for n, m in lin.items() if n.startswith(first)]
-    with torch.inference_mode():
-        model(window[None, :8])
-    for h in hooks:
-        h.remove()
-    groups: dict[int, list[str]] = {}
-    for n, x in seen.items():
-        groups.setdefault(id(x), []).append(n.split(".")[-1])
-    return list(groups.values())
+    patch_cpu_only()
+    torch.manual_seed(spec.get("seed", 0))
+    t0 = time.perf_counter()
+    before = {n: m.weight.data.clone() for n, m in lin.items()}
+    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
+    ds = calibration_dataset(spec["calibration"], tok)
+    oneshot(model=model, tokenizer=tok, recipe=spec["recipe"], dataset=ds, num_calibration_samples=len(ds),
+            max_seq_length=spec["calibration"]["max_seq_len"], shuffle_calibration_samples=False)
+    floats, quant = {}, {}
+    for n, m in lin.items():
+        w = m.weight.data
+        scheme = getattr(m, "quantization_scheme", None)
+        q = forward_quantize(m, w, "weight", scheme.weights) if scheme is not None and scheme.weights else w
+        m.quantization_enabled = False  # from here on the worker sets every weight itself
+        floats[n] = (before[n] if torch.equal(q, w) else w).clone()
+        quant[n] = q.clone()
+    return floats, quant, time.perf_counter() - t0
 
 
-def parts_of(names: list[str], kind_groups: list[list[str]] | None,
-             per_block: list[list[str]] | None = None) -> list[tuple[str, str, list[str]]]:
-    """(kind of part, part name, its Linear names): blocks in model order; then each group of Linear
-    kinds that share an input ('q_proj+k_proj+v_proj'), across every block; then, with `per_block`,
-    each such group within each block ('model.layers.3:q_proj+k_proj+v_proj')."""
-    blocks: dict[str, list[str]] = {}
-    for n in names:
-        blocks.setdefault(re.match(r"(.*\.layers\.\d+)\.", n).group(1), []).append(n)
-    in_order = sorted(blocks.items(), key=lambda kv: int(kv[0].rsplit(".", 1)[1]))
-    out = [("block", b, ms) for b, ms in in_order]
-    for group in kind_groups or []:
-        out.append(("kind", "+".join(group), [n for n in names if n.split(".")[-1] in group]))
-    for b, ms in in_order if per_block else []:
-        for group in per_block:
-            out.append(("block_kind", f"{b}:{'+'.join(group)}", [n for n in ms if n.split(".")[-1] in group]))
-    return out
+def rounded(spec: dict, lin: dict) -> tuple[dict, dict]:
+    args = _args(spec["bits"], spec["group_size"], spec["symmetric"])
+    floats = {n: m.weight.data.clone() for n, m in lin.items()}
+    return floats, {n: fake_quant(w, args) for n, w in floats.items()}
+
+
+def fallback_weights(spec: dict, floats: dict) -> dict:
+    """What a kept part holds: 8-bit symmetric per-channel weights of the floats (w8a16), or the floats."""
+    bits = spec.get("fallback_bits")
+    if not bits or bits >= 16:
+        return floats
+    args = _args(bits, None, True)
+    return {n: fake_quant(w, args) for n, w in floats.items()}
 
 
 def main(spec_path: str, result_path: str) -> None:
@@ -107,39 +112,54 @@ def main(spec_path: str, result_path: str) -> None:
     torch.set_num_threads(int(spec.get("threads") or os.cpu_count() or 1))
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).eval()
-    args = _args(spec["bits"], spec["group_size"], spec["symmetric"])
-    windows = torch.tensor(spec["windows"], dtype=torch.long)
-
-    @torch.inference_mode()
-    def logprobs() -> torch.Tensor:
-        return torch.cat([torch.log_softmax(model(w[None]).logits[0, :-1].float(), dim=-1) for w in windows])
-
-    base = logprobs()
-    base_top = base.argmax(-1)
-    lin = linears(model)
-    rows = []
-    groups = shared_inputs(model, lin, windows[0]) if spec.get("kinds", True) or spec.get("block_kinds") else None
-    parts = parts_of(list(lin), groups if spec.get("kinds", True) else None, groups if spec.get("block_kinds") else None)
-    for i, (kind, name, members) in enumerate(parts):
-        saved = {n: lin[n].weight.data.clone() for n in members}
-        for n in members:
-            lin[n].weight.data = fake_quant(saved[n], args)
-        lp = logprobs()
-        for n in members:
-            lin[n].weight.data = saved[n]
-        kl = (base.exp() * (base - lp)).sum(-1).clamp_min(0)
-        rows.append({"kind": kind, "part": name, "modules": members,
-                     "params": int(sum(saved[n].numel() for n in members)),
-                     "kl_mean": float(kl.mean()), "top1_agreement": float((lp.argmax(-1) == base_top).float().mean())})
-        print(f"sensitivity {i + 1}/{len(parts)} {name}: KL {rows[-1]['kl_mean']:.5f}, "
-              f"top-1 {rows[-1]['top1_agreement']:.3f}", flush=True)
-    result = {"rows": rows, "tokens": int(base.shape[0]), "wall_s": time.perf_counter() - t0,
-              "grid": f"int{spec['bits']} {'sym' if spec['symmetric'] else 'asym'} "
-                      f"{'g' + str(spec['group_size']) if spec['group_size'] else 'per channel'}, round to nearest",
-              "versions": {"torch": torch.__version__}}
+    scorer = sp.Scorer(model, torch.tensor(spec["windows"], dtype=torch.long), spec.get("tail", True))
+    lin = sp.linears(model)
+    groups = sp.shared_inputs(model, lin, scorer.windows[0])
+    parts = sp.parts_of(list(lin), groups if spec.get("kinds", True) else None,
+                        groups if spec.get("block_kinds") else None)
+    result = {"method": spec.get("method", "rtn"), "tail": scorer.tail_ok}
+    if result["method"] == "calibrated":
+        floats, quant, result["calibration_s"] = calibrated(spec, model, lin)
+    else:
+        floats, quant = rounded(spec, lin)
+    rows = measure_parts(spec, scorer, lin, parts, floats, quant, result)
+    if spec.get("curve"):
+        result["curve"] = sp.curve(scorer, lin, rows, quant, fallback_weights(spec, floats), spec["curve"],
+                                   spec.get("units", "block_kinds"))
+    result.update(rows=rows, tokens=scorer.tokens, wall_s=time.perf_counter() - t0,
+                  grid=f"int{spec['bits']} {'sym' if spec['symmetric'] else 'asym'} "
+                       f"{'g' + str(spec['group_size']) if spec['group_size'] else 'per channel'}, "
+                       + ("the base scheme's own calibration" if result["method"] == "calibrated"
+                          else "round to nearest"),
+                  versions={"torch": torch.__version__})
     tmp = result_path + ".tmp"
     Path(tmp).write_text(json.dumps(result, indent=2))
     os.replace(tmp, result_path)
+
+
+def scored(pair: tuple[float, float]) -> dict:
+    return {"kl_mean": pair[0], "top1_agreement": pair[1]}
+
+
+def measure_parts(spec: dict, scorer, lin: dict, parts: list, floats: dict, quant: dict, result: dict) -> list[dict]:
+    """One row per part: that part alone quantized, the rest at their floats. `result` gets the all-float
+    score (the unquantized model's, up to rounding: AWQ's smoothing leaves the outputs as they were) and
+    the all-quantized one (the uniform scheme, emulated: the curve's first point)."""
+    sp.set_weights(lin, quant)
+    result["uniform"] = scored(scorer.score(scorer.logprobs()))
+    sp.set_weights(lin, floats)
+    state = scorer.states()
+    result["floats"] = scored(scorer.score(scorer.logprobs()))
+    rows = []
+    for i, (kind, name, members) in enumerate(parts):
+        start = sp.first_block(members) if kind in ("block", "block_kind") else 0
+        sp.set_weights(lin, {n: quant[n] for n in members})
+        kl, top1 = scorer.score(scorer.logprobs(state, start))
+        sp.set_weights(lin, {n: floats[n] for n in members})
+        rows.append({"kind": kind, "part": name, "modules": members, "kl_mean": kl, "top1_agreement": top1,
+                     "params": int(sum(floats[n].numel() for n in members))})
+        print(f"sensitivity {i + 1}/{len(parts)} {name}: KL {kl:.5f}, top-1 {top1:.3f}", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

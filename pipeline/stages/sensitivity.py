@@ -1,10 +1,13 @@
-"""The sensitivity stage: how much quantizing each decoder block alone (and each Linear kind) moves the
-model's next-token predictions, measured in the quantize environment without an engine
+"""The sensitivity stage: how much quantizing each part alone (a decoder block, a Linear kind, a kind within
+a block) moves the model's next-token predictions, measured in the quantize environment without an engine
 (pipeline/engines/sensitivity_worker.py).
 
-The windows come from the drift corpus (the packaged essays), held out from the windows the drift
-suite scores: the search ranks blocks on text that the candidates' drift gates are not judged on.
-Cached by model, grid, windows and code under $QUANTIZE_EVAL_HOME/results/sensitivity.
+With `search.sensitivity.method: calibrated` (the default) the base scheme's own llm-compressor recipe runs
+in memory first, so what is measured is what AWQ or GPTQ would leave in each part; `rtn` rounds each part to
+nearest instead (faster, but blind to what the algorithm fixes). The windows come from the drift corpus (the
+packaged essays), held out from the windows the drift suite scores: the search ranks parts on text that the
+candidates' drift gates are not judged on. Cached by model, method, grid, calibration, windows and code under
+$QUANTIZE_EVAL_HOME/results/sensitivity.
 """
 
 from __future__ import annotations
@@ -13,12 +16,20 @@ import json
 import shutil
 from pathlib import Path
 
-from pipeline import drift, envs, keys, schemes, suites
+import yaml
+
+from pipeline import assets, drift, envs, keys, schemes, suites
 from pipeline.console import say
-from pipeline.runstore import hash_obj, write_json
+from pipeline.engines import sensitivity_parts
+from pipeline.engines.quantize_worker import build_recipe
+from pipeline.recipe_search import FALLBACK_BITS
+from pipeline.runstore import hash_obj, sha256_file, write_json
 
 WORKER = keys.PIPELINE / "engines" / "sensitivity_worker.py"
-KEY_VERSION = 1
+CODE = (WORKER, keys.PIPELINE / "engines" / "sensitivity_parts.py", keys.QUANTIZE_WORKER)
+KEY_VERSION = 2
+# the emulated curve: the all-quantized model with the top parts kept, at these fractions of their weights
+CURVE = [0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.8]
 
 
 def windows(recipe, model_dir: Path) -> list[list[int]]:
@@ -35,26 +46,52 @@ def windows(recipe, model_dir: Path) -> list[list[int]]:
         raise ValueError(f"search.sensitivity: {exc} (after the drift suite's {d.windows} windows)") from None
 
 
+def worker_spec(recipe, model_dir: Path, threads: int = 0) -> dict:
+    """What the sensitivity worker is asked to measure (sensitivity-spec.json)."""
+    sp = recipe.search
+    base = schemes.SCHEMES[sp.base_scheme]
+    spec = {"model_dir": str(model_dir), "windows": windows(recipe, model_dir), "bits": base.weight_bits,
+            "group_size": sp.group_size, "symmetric": base.symmetric, "kinds": sp.sensitivity.kinds,
+            "block_kinds": sp.units == "block_kinds", "threads": threads, "method": sp.sensitivity.method}
+    if sp.sensitivity.method == "calibrated":
+        c = recipe.calibration
+        spec.update(
+            recipe=yaml.safe_dump(build_recipe({"scheme": sp.base_scheme, "ignore": ["lm_head"],
+                                                "group_size": sp.group_size}), sort_keys=False),
+            calibration={"calibration_file": str(assets.calibration_text(c.dataset)), "num_samples": c.num_samples,
+                         "max_seq_len": c.max_seq_len},
+            seed=recipe.engine.seed, fallback_bits=FALLBACK_BITS[sp.fallbacks[0]], curve=CURVE,
+            units=sp.units)
+    return spec
+
+
+def cache_key(spec: dict, model_id: str, recipe) -> str:
+    """Everything that changes the measurement (paths and threads do not)."""
+    what = {k: v for k, v in spec.items() if k not in ("model_dir", "threads", "calibration")}
+    if "calibration" in spec:
+        what["calibration"] = {**recipe.calibration.model_dump(exclude={"timeout_s"}),
+                               "sha256": sha256_file(Path(spec["calibration"]["calibration_file"]))}
+    return hash_obj({"version": KEY_VERSION, "model": model_id, **what, "code": keys.source_hash(*CODE),
+                     "quantize_env": envs.requirements_file("quantize").read_text()})
+
+
 def measure(ctx, spent, threads: int = 0) -> dict:
-    """Per-part sensitivity for the recipe's search (one row per block, per Linear kind, per kind in a block), from the
-    cache when measured before; also written to RUN/search/sensitivity.json."""
+    """Per-part sensitivity for the recipe's search (one row per block, per Linear kind, per kind in a block),
+    from the cache when measured before; also written to RUN/search/sensitivity.json."""
     recipe, out_dir = ctx.recipe, ctx.run_dir.root / "search"
     out_dir.mkdir(parents=True, exist_ok=True)
     sp = recipe.search
-    base = schemes.SCHEMES[sp.base_scheme]
-    spec = {"model_dir": str(ctx.model_dir), "windows": windows(recipe, ctx.model_dir), "bits": base.weight_bits,
-            "group_size": sp.group_size, "symmetric": base.symmetric, "kinds": sp.sensitivity.kinds,
-            "block_kinds": sp.units == "block_kinds", "threads": threads}
-    key = hash_obj({"version": KEY_VERSION, "model": ctx.model_id, **{k: v for k, v in spec.items()
-                    if k not in ("model_dir", "threads")}, "worker": keys.source_hash(WORKER),
-                    "quantize_env": envs.requirements_file("quantize").read_text()})
+    spec = worker_spec(recipe, ctx.model_dir, threads)
+    key = cache_key(spec, ctx.model_id, recipe)
     cache = envs.home() / "results" / "sensitivity" / f"{key[:32]}.json"
     if cache.exists():
         say("search", f"sensitivity: measured earlier ({cache})")
     else:
         (out_dir / "sensitivity-spec.json").write_text(json.dumps(spec))
-        say("search", f"sensitivity: {len(spec['windows'])} windows x {recipe.search.sensitivity.window_tokens} "
-                      f"tokens, one part at a time, {base.weight_bits}-bit g{sp.group_size or 'channel'} grid")
+        how = (f"{sp.base_scheme} calibrated in memory, then one part at a time"
+               if sp.sensitivity.method == "calibrated" else "one part at a time, rounded to nearest")
+        say("search", f"sensitivity: {len(spec['windows'])} windows x {sp.sensitivity.window_tokens} tokens, "
+                      f"{how}, {spec['bits']}-bit g{sp.group_size or 'channel'} grid")
         tmp = out_dir / "sensitivity-worker.json"
         tmp.unlink(missing_ok=True)
         envs.run_quantize_env("pipeline.engines.sensitivity_worker", [str(out_dir / "sensitivity-spec.json"), str(tmp)],
@@ -67,15 +104,10 @@ def measure(ctx, spent, threads: int = 0) -> dict:
     return json.loads(cache.read_text())
 
 
-RANKED = {"blocks": ("block",), "blocks_and_kinds": ("block", "kind"), "block_kinds": ("block_kind",)}
-
-
 def ranked_parts(result: dict, units: str = "blocks") -> list[dict]:
-    """The parts a candidate may keep (recipe_search.SearchSpec.units), most sensitive per weight first:
-    mean KL over the parameters the fallback would keep (blocks are alike in size, so among blocks this
-    is KL order); top-1 disagreement, then model order break ties."""
-    rows = [r for r in result["rows"] if r["kind"] in RANKED[units]]
-    return sorted(rows, key=lambda r: (-r["kl_mean"] / max(1, r["params"]), r["top1_agreement"], rows.index(r)))
+    """The parts a candidate may keep (recipe_search.SearchSpec.units), most sensitive per weight kept first
+    (pipeline/engines/sensitivity_parts.rank)."""
+    return sensitivity_parts.rank(result["rows"], units)
 
 
 def linear_modules(result: dict) -> list[str]:
