@@ -94,21 +94,56 @@ def curve_guess(sens: dict, measured: dict[int, dict], top1_floor: float, n: int
     return None
 
 
-def next_k(tried: dict[int, bool], n: int, guess: int) -> int | None:
-    """The next k to build, or None when settled. tried: k -> passed. Uniform first; while nothing
-    passes, the guess, then doubling up to n (every block kept); once something passes, bisection
-    between the largest failing k below it and the smallest passing k."""
-    if 0 not in tried:
-        return 0
+def bracket(tried: dict[int, bool]) -> tuple[int, int] | None:
+    """(largest failing k below the smallest passing k, that passing k), once something passes."""
     passing = [k for k, ok in tried.items() if ok]
     if not passing:
+        return None
+    hi = min(passing)
+    return max((k for k, ok in tried.items() if not ok and k < hi), default=-1), hi
+
+
+def next_k(tried: dict[int, bool], n: int, guess: int, inside: int | None = None) -> int | None:
+    """The next k to build, or None when settled. tried: k -> passed. Uniform first; while nothing
+    passes, the guess, then doubling up to n (every part kept); once something passes, `inside` (the
+    curve's guess between the largest failing k below it and the smallest passing k) when it lies
+    strictly between them, else bisection. Either way the bracket shrinks: the boundary is exact."""
+    if 0 not in tried:
+        return 0
+    b = bracket(tried)
+    if b is None:
         lo = max(tried)
         if lo >= n:
             return None
         return guess if guess > lo else min(n, max(lo + 1, 2 * lo))
-    hi = min(passing)
-    lo = max((k for k, ok in tried.items() if not ok and k < hi), default=-1)
-    return None if hi - lo <= 1 else (lo + hi) // 2
+    lo, hi = b
+    if hi - lo <= 1:
+        return None
+    return inside if inside is not None and lo < inside < hi else (lo + hi) // 2
+
+
+def bracket_guess(sens: dict, measured: dict[int, dict], top1_floor: float, lo: int, hi: int) -> int | None:
+    """Between a failing lo and a passing hi, both built: the smallest k whose top-1 lower bound the curve
+    predicts to clear the floor, the curve shifted by the measured - emulated top-1 and the CI's half-width
+    both interpolated between lo and hi; hi - 1 when the curve puts the boundary at hi (one build then
+    settles it). None without a curve or a measured top-1 at both ends."""
+    a, b = measured.get(lo), measured.get(hi)
+    if not sens.get("curve") or "uniform" not in sens or a is None or b is None:
+        return None
+    if a.get("top1_agreement") is None or b.get("top1_agreement") is None:
+        return None
+    points = [(0, sens["uniform"]["top1_agreement"])] + [(c["k"], c["top1_agreement"]) for c in sens["curve"]]
+
+    def shift(r: dict, k: int) -> tuple[float, float]:
+        ci = r.get("top1_ci") or [None]
+        return r["top1_agreement"] - _at(points, k), r["top1_agreement"] - ci[0] if ci[0] is not None else TOP1_MARGIN
+
+    (off_a, mar_a), (off_b, mar_b) = shift(a, lo), shift(b, hi)
+    for k in range(lo + 1, hi):
+        t = (k - lo) / (hi - lo)
+        if _at(points, k) + off_a + t * (off_b - off_a) - (mar_a + t * (mar_b - mar_a)) >= top1_floor:
+            return k
+    return hi - 1
 
 
 def _gate_floor(recipe: Recipe, metric: str) -> float | None:
@@ -232,9 +267,12 @@ def ladder(sp, ranked: list[dict], top1_floor: float | None, build, length=None,
         measured: dict[int, dict] = {} if uniform is None else {0: uniform}
         while len(rows) < sp.max_builds:
             guess = first_guess(ranked[:n], uniform["top1_agreement"] if uniform else None, top1_floor)
-            if top1_floor is not None and not any(tried.values()):
+            inside = None
+            if top1_floor is not None and (b := bracket(tried)) is None:
                 guess = curve_guess(sens or {}, measured, top1_floor, n) or guess
-            k = next_k(tried, n, guess)
+            elif top1_floor is not None:
+                inside = bracket_guess(sens or {}, measured, top1_floor, *b)
+            k = next_k(tried, n, guess, inside)
             if k is None:
                 break
             row = build(fallback, k)

@@ -348,3 +348,33 @@ def test_report_says_how_the_parts_were_ranked():
     assert "rounded to the nearest point of the base grid" in search_section(Run())
     s["sensitivity_method"] = "calibrated"
     assert "own calibration (run in memory)" in search_section(Run())
+
+
+def test_inside_the_bracket_the_curve_picks_where_the_boundary_is():
+    """Between a failing and a passing candidate the curve (shifted to both measured ends) names the
+    cheapest k it predicts to pass; the ladder builds it, and the boundary stays exact."""
+    from pipeline.search import bracket_guess
+
+    sens = {"uniform": {"top1_agreement": 0.78},
+            "curve": [{"k": 50, "top1_agreement": 0.855}, {"k": 60, "top1_agreement": 0.865}]}
+    lo = {"top1_agreement": 0.776, "top1_ci": [0.770, 0.782]}  # k = 0: 0.004 below the curve
+    hi = {"top1_agreement": 0.858, "top1_ci": [0.852, 0.864]}  # k = 57: 0.004 below it (0.862)
+    k = bracket_guess(sens, {0: lo, 57: hi}, 0.85, 0, 57)
+    assert k == 55  # emulated 0.860 - 0.004 shift - 0.006 half-width = 0.850; at 54: 0.849
+    assert bracket_guess(sens, {0: lo, 57: hi}, 0.80, 0, 57) < 30  # a low floor: far below the passing k
+    assert bracket_guess(sens, {0: lo, 57: hi}, 0.99, 0, 57) == 56  # none predicted: the neighbour settles it
+    assert bracket_guess({}, {0: lo, 57: hi}, 0.85, 0, 57) is None
+
+    calls: list = []
+
+    def build(fallback, k):
+        calls.append(k)
+        top1 = 0.776 + 0.0015 * k
+        ok = k >= 55
+        return {"name": f"k{k}", "verdict": "PASS" if ok else "FAIL", "top1_agreement": top1,
+                "top1_ci": [top1 - 0.006, top1 + 0.006], "native_weight_bytes": 100 + k}
+
+    sens = {"uniform": {"top1_agreement": 0.776},
+            "curve": [{"k": 40, "top1_agreement": 0.836}, {"k": 60, "top1_agreement": 0.866}]}
+    rows = ladder(SearchSpec(max_builds=6), ranked(90), 0.85, build, sens=sens)
+    assert choose(rows, "memory")["name"] == "k55" and len(calls) <= 5, calls  # not 0, g, g/2, 3g/4, ...
