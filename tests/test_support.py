@@ -37,6 +37,10 @@ EXPECTED = [
     ("cpu-avx512", "fp8_dynamic", "auto", TILED, "unsupported"),
     ("cpu-avx2", "bnb_nf4", "auto", SMOLLM2, "unsupported"),
     ("cpu-avx512", "bnb_int8", "auto", SMOLLM2, "unsupported"),
+    # AMD EPYC Zen 5 (AVX512-BF16, no AMX), as its engine answered: FP8 KV yes, FP8 weights need AMX
+    ("cpu-avx512-bf16", "w8a8_int8", "fp8_calibrated", SMOLLM2, "native"),
+    ("cpu-avx512-bf16", "fp8_block", "auto", TILED, "unsupported"),
+    ("cpu-avx512-bf16", "fp8_dynamic", "auto", TILED, "unsupported"),
 ]
 
 
@@ -54,7 +58,8 @@ def test_decisions_from_recorded_answers(kind, scheme, kv, cfg, mode):
 
 def test_the_4bit_kernel_is_native_in_the_dtypes_it_computes_in():
     for kind, dtype, mode in (("cpu-avx512", "bfloat16", "native"), ("cpu-avx512", "float32", "emulated"),
-                              ("cpu-avx2", "bfloat16", "emulated")):
+                              ("cpu-avx2", "bfloat16", "emulated"), ("cpu-avx512-bf16", "bfloat16", "native"),
+                              ("cpu-avx512-bf16", "float32", "emulated")):
         d = support.decide(support.scheme_format("gptq_w4a16", "auto"), SMOLLM2, answers(kind), dtype=dtype)
         assert d.mode == mode, (kind, dtype, d)
     d = support.decide(support.scheme_format("gptq_w4a16", "auto"), SMOLLM2, answers("cpu-avx512"))
