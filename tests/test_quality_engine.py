@@ -114,10 +114,12 @@ metadata:
 """
 
 
-def test_per_item_answers_equal_the_lm_eval_cli(tmp_path):
+def test_per_item_answers_equal_the_lm_eval_cli(tmp_path, capfd, monkeypatch):
     """One checkpoint, the same server and settings: the pipeline's per-item answers on a builtin
     multiple-choice suite, a generative suite and a user's own task YAML dropped in are exactly
-    what `python -m lm_eval` writes in its samples."""
+    what `python -m lm_eval` writes in its samples; and no lm-eval progress bar reaches the console
+    (the run sets TQDM_DISABLE, as here; the stage prints its own progress lines)."""
+    monkeypatch.setenv("TQDM_DISABLE", "1")
     from pipeline.stages.quality import lm_eval_model_args, run_quality
 
     model = tinymodel.build(tmp_path / "tiny", seed=3)
@@ -135,7 +137,10 @@ def test_per_item_answers_equal_the_lm_eval_cli(tmp_path):
         "quality": {"suites": ["piqa", "asdiv", str(user_yaml)], "limit": 8, "limits": {"asdiv": 4}}})
     vdir, tasks = tmp_path / "run" / "baseline", tmp_path / "run" / "tasks"
     with Server(model, recipe.engine, "float32", tmp_path / "engine.log", False) as srv:
+        capfd.readouterr()
         q = run_quality(srv, model, recipe, "baseline", vdir, "h", tasks)
+        printed = capfd.readouterr()
+        assert "it/s]" not in printed.err + printed.out, printed.err[-2000:]
         margs = lm_eval_model_args(srv, model, recipe)
         batch = margs.pop("batch_size")  # the CLI takes it as its own flag
         args = ",".join(f"{k}={v}" for k, v in margs.items())

@@ -135,7 +135,7 @@ def run_lm_eval(server: Server, model_dir: Path, recipe, by_limit: dict, tasks_d
         poller.start()
         try:
             out = lm_eval.simple_evaluate(
-                model="local-completions", model_args=model_args, tasks=[r.task for r in group],
+                model=local_completions(model_args), tasks=[r.task for r in group],
                 task_manager=tm, limit=lim, log_samples=True, random_seed=0, numpy_random_seed=0,
                 torch_random_seed=0, fewshot_random_seed=0)
         finally:
@@ -149,6 +149,20 @@ def run_lm_eval(server: Server, model_dir: Path, recipe, by_limit: dict, tasks_d
 
 
 FINISHED = ("vllm:request_success_total",)
+
+
+def local_completions(model_args: dict):
+    """lm-eval's local-completions model, built as `simple_evaluate(model="local-completions",
+    model_args=...)` builds it, less its "Tokenizing inputs" bar: lm-eval passes that bar
+    disable=False explicitly, which tqdm lets win over TQDM_DISABLE, so it printed through --quiet
+    and into CI logs where the stage's own progress line already counts the prompts."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    class Quiet(LocalCompletionsAPI):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return super().loglikelihood(requests, disable_tqdm=True)
+
+    return Quiet.create_from_arg_obj(model_args)
 
 
 def lm_eval_model_args(server: Server, model_dir: Path, recipe) -> dict:
