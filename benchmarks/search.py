@@ -32,17 +32,13 @@ MIB = 2**20
 
 
 def run_search(cold: bool) -> tuple[Path, float]:
+    before = set((ROOT / "runs").glob("search-*"))
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, **({"QUANTIZE_EVAL_HOME": str(cold_home(Path(tmp)))} if cold else {})}
-        return _run_search(env)
-
-
-def _run_search(env: dict) -> tuple[Path, float]:
-    before = set((ROOT / "runs").glob("search-*"))
-    t0 = time.perf_counter()
-    proc = subprocess.run([str(ROOT / "quantize-eval"), "search", "recipes/search.yaml", "--fresh", "--quiet"],
-                          cwd=ROOT, env=env)
-    wall = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        proc = subprocess.run([str(ROOT / "quantize-eval"), "search", "recipes/search.yaml", "--fresh", "--quiet"],
+                              cwd=ROOT, env=env)
+        wall = time.perf_counter() - t0
     if proc.returncode not in (0, 1):
         sys.exit(f"the search failed (exit {proc.returncode})")
     return sorted(set((ROOT / "runs").glob("search-*")) - before)[-1], wall

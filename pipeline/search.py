@@ -73,21 +73,33 @@ def _at(points: list[tuple[int, float]], k: float) -> float:
     return points[-1][1]
 
 
+def _curve_points(sens: dict) -> list[tuple[int, float]] | None:
+    """The sensitivity worker's emulated top-1 by k kept, from the all-quantized model (k = 0) on; None
+    when the sensitivity has no curve."""
+    if not sens.get("curve") or "uniform" not in sens:
+        return None
+    return [(0, sens["uniform"]["top1_agreement"])] + [(c["k"], c["top1_agreement"]) for c in sens["curve"]]
+
+
+def _ci_margin(row: dict) -> float:
+    """How far a built candidate's top-1 sits above its CI's lower bound (TOP1_MARGIN without a CI)."""
+    ci = row.get("top1_ci") or [None]
+    return row["top1_agreement"] - ci[0] if ci[0] is not None else TOP1_MARGIN
+
+
 def curve_guess(sens: dict, measured: dict[int, dict], top1_floor: float, n: int) -> int | None:
     """The next k read off the sensitivity worker's emulated curve (top-1 of the all-quantized model with
     the first k parts kept), calibrated on the largest k measured so far (all failing): the curve shifted
     by that candidate's measured - emulated top-1, aimed so that a CI as wide as that candidate's clears
     the floor. None when the curve never gets there (or there is none)."""
-    if not sens.get("curve") or "uniform" not in sens or not measured:
+    points = _curve_points(sens)
+    if points is None or not measured:
         return None
-    points = [(0, sens["uniform"]["top1_agreement"])] + [(c["k"], c["top1_agreement"]) for c in sens["curve"]]
     ref = max(measured)
     row = measured[ref]
     if row.get("top1_agreement") is None:
         return None
-    ci = row.get("top1_ci") or [None]
-    margin = row["top1_agreement"] - ci[0] if ci[0] is not None else TOP1_MARGIN
-    target = top1_floor + max(margin, 0.0) + SAFETY - (row["top1_agreement"] - _at(points, ref))
+    target = top1_floor + max(_ci_margin(row), 0.0) + SAFETY - (row["top1_agreement"] - _at(points, ref))
     for k in range(ref + 1, min(n, points[-1][0]) + 1):
         if _at(points, k) >= target:
             return k
@@ -127,18 +139,13 @@ def bracket_guess(sens: dict, measured: dict[int, dict], top1_floor: float, lo: 
     predicts to clear the floor, the curve shifted by the measured - emulated top-1 and the CI's half-width
     both interpolated between lo and hi; hi - 1 when the curve puts the boundary at hi (one build then
     settles it). None without a curve or a measured top-1 at both ends."""
-    a, b = measured.get(lo), measured.get(hi)
-    if not sens.get("curve") or "uniform" not in sens or a is None or b is None:
+    a, b, points = measured.get(lo), measured.get(hi), _curve_points(sens)
+    if points is None or a is None or b is None:
         return None
     if a.get("top1_agreement") is None or b.get("top1_agreement") is None:
         return None
-    points = [(0, sens["uniform"]["top1_agreement"])] + [(c["k"], c["top1_agreement"]) for c in sens["curve"]]
-
-    def shift(r: dict, k: int) -> tuple[float, float]:
-        ci = r.get("top1_ci") or [None]
-        return r["top1_agreement"] - _at(points, k), r["top1_agreement"] - ci[0] if ci[0] is not None else TOP1_MARGIN
-
-    (off_a, mar_a), (off_b, mar_b) = shift(a, lo), shift(b, hi)
+    off_a, off_b = a["top1_agreement"] - _at(points, lo), b["top1_agreement"] - _at(points, hi)
+    mar_a, mar_b = _ci_margin(a), _ci_margin(b)
     for k in range(lo + 1, hi):
         t = (k - lo) / (hi - lo)
         if _at(points, k) + off_a + t * (off_b - off_a) - (mar_a + t * (mar_b - mar_a)) >= top1_floor:
