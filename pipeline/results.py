@@ -108,15 +108,20 @@ class RampStep(Model):
     """One step of the admission ramp: `concurrency` requests of the probe shape sent at once."""
 
     concurrency: int
-    max_running: int = Field(description="Most sequences the engine ran at once (vllm:num_requests_running).")
+    max_running: int = Field(description="Most sequences the engine ran at once (vllm:num_requests_running, "
+                             "polled every 10 ms and when the last request had its first token).")
+    max_streaming: int | None = Field(None, description="Most of the step's requests the client saw streaming at "
+                                      "once (first token in, last not yet): a lower bound on the running count "
+                                      "that no poll can miss.")
     max_waiting: int = Field(description="Most requests waiting at once (vllm:num_requests_waiting); also "
                              "non-zero below the knee while the token budget staggers long prompts.")
     preemptions: int = Field(description="Sequences preempted during the step (vllm:num_preemptions_total).")
     kv_usage_peak: float | None = Field(None, description="Peak vllm:kv_cache_usage_perc (0-1).")
     queued: bool = Field(description="A request waited while the pool had no room to admit one more (or "
                          "max_num_seqs were running), or a sequence was preempted: past the knee.")
-    overlapped: bool = Field(True, description="All the step's requests were seen running together; a step "
-                             "that neither queued nor overlapped did not test admission.")
+    overlapped: bool = Field(True, description="All the step's requests were seen running together (by the "
+                             "gauge or streaming at the client); a step that neither queued nor overlapped did "
+                             "not test admission.")
     ttft_p50_ms: float | None = None
     ttft_max_ms: float | None = Field(None, description="Past the knee: includes the queued requests' wait.")
     tpot_p50_ms: float | None = None

@@ -55,7 +55,8 @@ def _knee_row(name: str, kv: KVCapacity, pr: AdmissionProbe) -> list[str]:
 def _ramp_row(name: str, st: RampStep) -> list[str]:
     outcome = ("<b>queued</b>" if st.queued else
                "all ran at once" if st.overlapped else "never all running: no test")
-    return [escape(name), str(st.concurrency), str(st.max_running), str(st.max_waiting), str(st.preemptions),
+    return [escape(name), str(st.concurrency), f"{st.max_running} / {fmt(st.max_streaming)}", str(st.max_waiting),
+            str(st.preemptions),
             fmt(st.kv_usage_peak, pct=True), outcome, f"{fmt(st.ttft_p50_ms, 0)} / {fmt(st.ttft_max_ms, 0)}",
             fmt(st.tpot_p50_ms, 1), fmt(st.e2e_p50_ms, 0), f"{st.completed} / {st.failed}", fmt(st.duration_s, 1)]
 
@@ -75,7 +76,9 @@ def admission_section(run: Run) -> str:
             "bound). Concurrency "
             "is ramped (1, 2, 4, … below the prediction, then the prediction and one past it; bisected if "
             "requests queue sooner), each step a fresh batch sent at once while the engine's gauges "
-            "(running, waiting, preemptions, KV usage) are polled every 0.05 s. A step <i>queued</i> when a "
+            "(running, waiting, preemptions, KV usage) are polled every 0.01 s and once more when the last "
+            "request has its first token; the client also counts the requests streaming at once (first "
+            "token in, last not yet), a lower bound on running that no poll can miss. A step <i>queued</i> when a "
             "request waited while the pool had no room for one more sequence (or max_num_seqs ran), or a "
             "sequence was preempted; waiting alone is not queueing, since the token budget admits long "
             "prompts a few per engine step. Knee: the most requests that all ran at once. KV tokens three "
@@ -88,7 +91,8 @@ def admission_section(run: Run) -> str:
                      "note"], knee_rows, last_left=True)
             + "<p class='small muted'>The ramp, step by step: latency of the step's requests (TTFT "
               "includes the batch's prefill; past the knee, its max includes the queued requests' wait).</p>"
-            + table(["variant", "concurrency", "max running", "max waiting", "preemptions", "peak KV usage",
+            + table(["variant", "concurrency", "max running (gauge / streaming at client)", "max waiting",
+                     "preemptions", "peak KV usage",
                      "outcome", "TTFT p50 / max ms", "TPOT p50 ms", "e2e p50 ms", "ok / failed", "step wall s"],
                     ramp_rows))
 

@@ -138,6 +138,58 @@ def test_find_knee_stops_at_a_step_that_cannot_tell():
     assert find_knee(15, lambda c: {15: True, 11: None}.get(c, False)) == (8, 15, 11)  # while bisecting
 
 
+def test_the_client_counts_requests_streaming_at_once():
+    from pipeline.engines.loadgen import RequestRecord, max_streaming
+
+    def rec(sent, first, last, ok=True):
+        return RequestRecord(ok=ok, sent=sent, ttft=first - sent, e2e=last - sent, output_tokens=4)
+
+    # sent together, first tokens at 1, 2, 3, all before the earliest end (4): 3 at once
+    assert max_streaming([rec(0, 1, 5), rec(0, 2, 4), rec(0.5, 3, 6)]) == 3
+    # one began streaming after another ended: never more than 2 together (a tie is not together)
+    assert max_streaming([rec(0, 1, 3), rec(0, 2, 4), rec(0, 3, 5)]) == 2
+    # a failed request streamed nothing worth counting
+    assert max_streaming([rec(0, 1, 5), rec(0, 2, 4, ok=False)]) == 1
+    assert max_streaming([]) == 0
+
+
+def test_a_ramp_step_samples_the_gauges_once_all_requests_are_admitted(monkeypatch):
+    """The moment the last request has its first token the gauges are read: a step shorter than the
+    poll interval (a fast engine's steps last ~0.1 s) is still seen running by the engine."""
+    import threading
+
+    from pipeline.engines import loadgen
+    from pipeline.stages import admission
+
+    n, state, seen_all = 4, {"running": 0}, threading.Event()
+
+    class Engine:  # gauges as the engine would show them: all running once every first token is out
+        port = 0
+
+        def gauges(self, names):
+            if state["running"] == n:
+                seen_all.set()
+            return {"vllm:num_requests_running": state["running"], "vllm:num_requests_waiting": 0,
+                    "vllm:kv_cache_usage_perc": 0.5 * state["running"] / n, "vllm:num_preemptions_total": 0}
+
+    def closed_loop(port, model, prompts, max_tokens, concurrency, timeout, on_done=None, on_first=None):
+        recs = [loadgen.RequestRecord(ok=True, sent=0.0, ttft=1.0 + i / 10, e2e=2.0, output_tokens=max_tokens)
+                for i in range(len(prompts))]
+        for _ in prompts:
+            state["running"] += 1
+            on_first()
+        seen_all.wait(2.0)  # the engine keeps decoding until it has been looked at (or 2 s pass)
+        state["running"] = 0
+        return recs, 2.0
+
+    monkeypatch.setattr(loadgen, "run_closed_loop", closed_loop)
+    # a poll interval far longer than the step: only the start, the all-admitted sample and the end
+    st = admission.ramp_step(Engine(), [[1, 2]] * n, 8, usable_blocks=8, prompt_blocks=1, max_num_seqs=8,
+                             timeout=10, poll_s=60)
+    assert (st.max_running, st.max_streaming, st.kv_usage_peak) == (n, n, 0.5), st
+    assert st.overlapped and not st.queued and st.completed == n
+
+
 @pytest.mark.parametrize("usable,block,seqs,max_len,expect", [
     (7, 128, 8, 512, (1, 112, 16)),          # the engine test's 4 MiB pool
     (181, 128, 16, 2048, (12, 1510, 26)),    # default model, 1 GiB pool, CPU: 12 engine steps to admit 16

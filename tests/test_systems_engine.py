@@ -43,7 +43,11 @@ def test_loaded_weights_and_measured_admission_knee(tmp_path):
     assert [s.concurrency for s in probe.steps] == [1, 2, 4, 7, 8]
     assert (probe.knee, probe.first_queued) == (7, 8), probe
     for st in probe.steps[:-1]:  # below and at the knee every request ran at once
-        assert st.max_running == st.concurrency and st.overlapped and not st.queued and st.preemptions == 0, st
+        # the gauge sees it (polled every 10 ms and when all are admitted: at 50 ms a CI run once saw
+        # no poll land in a 0.1 s step); the client's count is a lower bound (its threads can lag a
+        # token or two on 2 cores: 6 of 7 seen together once in 10 ramps)
+        assert st.max_running == st.concurrency and 1 <= st.max_streaming <= st.concurrency, st
+        assert st.overlapped and not st.queued and st.preemptions == 0, st
         assert st.completed == st.concurrency and st.ttft_p50_ms and st.tpot_p50_ms and st.duration_s > 0
     past = probe.steps[-1]  # one past it waited while the pool was full, and was not preempted
     assert past.queued and past.max_running == 7 and past.max_waiting >= 1 and past.preemptions == 0, past

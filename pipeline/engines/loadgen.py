@@ -33,6 +33,13 @@ class RequestRecord:
     e2e: float | None = None
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    sent: float | None = None  # time.perf_counter() when it was sent: ttft and e2e count from here
+
+    def streaming(self) -> tuple[float, float] | None:
+        """(first token, last token) on the perf_counter clock: while the client saw it stream."""
+        if self.ok and self.sent is not None and self.ttft is not None and self.e2e is not None:
+            return self.sent + self.ttft, self.sent + self.e2e
+        return None
 
     @property
     def tpot(self) -> float | None:
@@ -41,13 +48,15 @@ class RequestRecord:
         return None
 
 
-def one_request(port: int, model: str, prompt: list[int], max_tokens: int, timeout: float) -> RequestRecord:
+def one_request(port: int, model: str, prompt: list[int], max_tokens: int, timeout: float,
+                on_first=None) -> RequestRecord:
+    """One streamed completion, timed; on_first() is called when its first token arrives."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
                        "ignore_eos": True, "temperature": 0.0, "stream": True,
                        "stream_options": {"include_usage": True}})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     rec = RequestRecord(ok=False)
-    t0 = time.perf_counter()
+    t0 = rec.sent = time.perf_counter()
     last = None
     try:
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -73,6 +82,8 @@ def one_request(port: int, model: str, prompt: list[int], max_tokens: int, timeo
             if any("text" in c for c in chunk.get("choices", [])):
                 if last is None:
                     rec.ttft = now - t0
+                    if on_first is not None:
+                        on_first()
                 else:
                     rec.itls.append(now - last)
                 last = now
@@ -89,9 +100,9 @@ def one_request(port: int, model: str, prompt: list[int], max_tokens: int, timeo
 
 
 def run_closed_loop(port: int, model: str, prompts: list[list[int]], max_tokens: int,
-                    concurrency: int, timeout: float, on_done=None) -> tuple[list[RequestRecord], float]:
+                    concurrency: int, timeout: float, on_done=None, on_first=None) -> tuple[list[RequestRecord], float]:
     """Send every prompt with `concurrency` in flight; return records and wall seconds. on_done() is
-    called as each request finishes (progress)."""
+    called as each request finishes (progress), on_first() as each has its first token."""
     records: list[RequestRecord | None] = [None] * len(prompts)
     next_i = iter(range(len(prompts)))
     lock = threading.Lock()
@@ -102,7 +113,7 @@ def run_closed_loop(port: int, model: str, prompts: list[list[int]], max_tokens:
                 i = next(next_i, None)
             if i is None:
                 return
-            records[i] = one_request(port, model, prompts[i], max_tokens, timeout)
+            records[i] = one_request(port, model, prompts[i], max_tokens, timeout, on_first)
             if on_done is not None:
                 on_done()
 
@@ -149,3 +160,15 @@ def goodput(records: list[RequestRecord], wall_s: float, slo_ttft_ms: float | No
                and (slo_tpot_ms is None or (r.tpot is not None and r.tpot * 1000 <= slo_tpot_ms)))
     return {"goodput_req_per_s": good / wall_s if wall_s > 0 else 0.0,
             "slo_attainment": good / len(records) if records else None}
+
+
+def max_streaming(records: list[RequestRecord]) -> int:
+    """Most requests the client saw streaming at once (first token in, last not yet): a request
+    streams only while the engine runs it, so this is a lower bound on the engine's running count."""
+    events = sorted(e for r in records if (w := r.streaming())
+                    for e in ((w[0], 1), (w[1], -1)))  # at a tie the end sorts first: not counted together
+    most = now = 0
+    for _, d in events:
+        now += d
+        most = max(most, now)
+    return most

@@ -76,17 +76,20 @@ def probe_shape(usable: int, block: int, max_num_seqs: int, max_model_len: int) 
 
 
 def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_blocks: int, prompt_blocks: int,
-              max_num_seqs: int, timeout: float, poll_s: float = 0.05) -> RampStep:
-    """Send every prompt at once and poll the engine's scheduler gauges while they run. Queued: a
-    request waited while the pool had no room to admit one more (vLLM reserves a prompt's blocks
-    when it admits it) or max_num_seqs were running, or a sequence was preempted. Waiting alone is
-    not queueing: below the knee the token budget admits long prompts a few per engine step. If
-    neither, the step is clean only if all its requests were seen running together."""
+              max_num_seqs: int, timeout: float, poll_s: float = 0.01) -> RampStep:
+    """Send every prompt at once and poll the engine's scheduler gauges while they run, once more the
+    moment the last request has its first token (all admitted: a fast engine's step lasts about a
+    tenth of a second, a poll or two). Queued: a request waited while the pool had no room to admit
+    one more (vLLM reserves a prompt's blocks when it admits it) or max_num_seqs were running, or a
+    sequence was preempted. Waiting alone is not queueing: below the knee the token budget admits
+    long prompts a few per engine step. If neither, the step is clean only if all its requests were
+    seen running together, by the gauge or by the client (all streaming at once)."""
     import threading
 
     samples: list[dict] = []
     start = server.gauges(GAUGES)
-    done = threading.Event()
+    done, wake, lock = threading.Event(), threading.Event(), threading.Lock()
+    firsts = [0]
 
     def poll() -> None:
         while not done.is_set():
@@ -94,14 +97,23 @@ def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_bloc
                 samples.append(server.gauges(GAUGES))
             except OSError:
                 pass
-            done.wait(poll_s)
+            wake.wait(poll_s)
+            wake.clear()
+
+    def on_first() -> None:
+        with lock:
+            firsts[0] += 1
+            if firsts[0] == len(prompts):
+                wake.set()
 
     t = threading.Thread(target=poll, daemon=True)
     t.start()
     try:
-        recs, wall = loadgen.run_closed_loop(server.port, SERVED_NAME, prompts, output, len(prompts), timeout)
+        recs, wall = loadgen.run_closed_loop(server.port, SERVED_NAME, prompts, output, len(prompts), timeout,
+                                             on_first=on_first)
     finally:
         done.set()
+        wake.set()
         t.join()
     samples.append(server.gauges(GAUGES))
     preempted = int(samples[-1]["vllm:num_preemptions_total"] - start["vllm:num_preemptions_total"])
@@ -112,16 +124,13 @@ def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_bloc
 
     queued = preempted > 0 or any(g["vllm:num_requests_waiting"] > 0 and full(g) for g in samples)
     running = int(max(g["vllm:num_requests_running"] for g in samples))
+    streaming = loadgen.max_streaming(recs)
     ok = [r for r in recs if r.ok]
-    # all ran together: seen by the poll, or, poll-free, every request had its first token (so was
-    # admitted) before any finished (the requests are sent together)
-    overlapped = running >= len(prompts) or (len(ok) == len(recs) and ok and all(r.ttft is not None for r in ok)
-                                             and max(r.ttft for r in ok) < min(r.e2e for r in ok))
     p50 = lambda xs: stats.percentiles([x * 1000 for x in xs if x is not None])["p50"]  # noqa: E731
-    return RampStep(concurrency=len(prompts), max_running=running,
+    return RampStep(concurrency=len(prompts), max_running=running, max_streaming=streaming,
                     max_waiting=int(max(g["vllm:num_requests_waiting"] for g in samples)), preemptions=preempted,
                     kv_usage_peak=max(g["vllm:kv_cache_usage_perc"] for g in samples) or None, queued=queued,
-                    overlapped=bool(overlapped), ttft_p50_ms=p50(r.ttft for r in ok),
+                    overlapped=max(running, streaming) >= len(prompts), ttft_p50_ms=p50(r.ttft for r in ok),
                     ttft_max_ms=max((r.ttft * 1000 for r in ok if r.ttft is not None), default=None),
                     tpot_p50_ms=p50(r.tpot for r in ok),
                     e2e_p50_ms=p50(r.e2e for r in ok), completed=len(ok), failed=len(recs) - len(ok), duration_s=wall,
@@ -129,7 +138,7 @@ def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_bloc
 
 
 def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity, timeout: float,
-                    poll_s: float = 0.05, label: str = "", shape: tuple[int, int] | None = None) -> AdmissionProbe | None:
+                    poll_s: float = 0.01, label: str = "", shape: tuple[int, int] | None = None) -> AdmissionProbe | None:
     """The admission knee, measured by a concurrency ramp (find_knee) of one request shape: `shape`
     (prompt, output tokens; the run passes its workload's, so every variant's knee is of the same
     requests), else one that fills the pool before max_num_seqs (probe_shape). Every step is a fresh
