@@ -109,7 +109,7 @@ class RampStep(Model):
 
     concurrency: int
     max_running: int = Field(description="Most sequences the engine ran at once (vllm:num_requests_running, "
-                             "polled every 10 ms and when the last request had its first token).")
+                             "polled every 10-50 ms and when the last request had its first token).")
     max_streaming: int | None = Field(None, description="Most of the step's requests the client saw streaming at "
                                       "once (first token in, last not yet): a lower bound on the running count "
                                       "that no poll can miss.")

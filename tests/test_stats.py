@@ -153,6 +153,20 @@ def test_the_client_counts_requests_streaming_at_once():
     assert max_streaming([]) == 0
 
 
+def test_the_ramp_polls_about_twenty_times_a_request():
+    from pipeline.results import RampStep
+    from pipeline.stages.admission import poll_interval
+
+    def step(e2e_ms):
+        return RampStep(concurrency=1, max_running=1, max_waiting=0, preemptions=0, queued=False,
+                        e2e_p50_ms=e2e_ms, completed=1, failed=0)
+
+    assert poll_interval(None) == 0.01                       # nothing known yet: the fastest
+    assert poll_interval(step(80)) == 0.01                   # a tiny model's step: as fast as allowed
+    assert poll_interval(step(600)) == pytest.approx(0.03)   # 600 ms / 20
+    assert poll_interval(step(4000)) == 0.05                 # a slow engine: no faster than needed
+
+
 def test_a_ramp_step_samples_the_gauges_once_all_requests_are_admitted(monkeypatch):
     """The moment the last request has its first token the gauges are read: a step shorter than the
     poll interval (a fast engine's steps last ~0.1 s) is still seen running by the engine."""

@@ -137,13 +137,24 @@ def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_bloc
                     errors=sorted({r.error[:160] for r in recs if not r.ok}))
 
 
+def poll_interval(last: RampStep | None, lo: float = 0.01, hi: float = 0.05) -> float:
+    """Seconds between gauge polls: a twentieth of the last step's median request, within [lo, hi]
+    (lo before any step). A poll costs the server ~5 ms of CPU, so polling a real model's
+    seconds-long steps every 10 ms would take a third of a core from the engine it measures; a tiny
+    model's steps last ~0.1 s, where 50 ms polls once all missed."""
+    if last is None or not last.e2e_p50_ms:
+        return lo
+    return min(hi, max(lo, last.e2e_p50_ms / 1000 / 20))
+
+
 def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity, timeout: float,
-                    poll_s: float = 0.01, label: str = "", shape: tuple[int, int] | None = None) -> AdmissionProbe | None:
+                    label: str = "", shape: tuple[int, int] | None = None) -> AdmissionProbe | None:
     """The admission knee, measured by a concurrency ramp (find_knee) of one request shape: `shape`
     (prompt, output tokens; the run passes its workload's, so every variant's knee is of the same
     requests), else one that fills the pool before max_num_seqs (probe_shape). Every step is a fresh
-    batch of distinct prompts sent at once (ramp_step). An error mid-ramp ends it; the steps measured
-    so far are kept and the note says why."""
+    batch of distinct prompts sent at once (ramp_step), its gauges polled about 20 times per request
+    lifetime of the step before (poll_interval). An error mid-ramp ends it; the steps measured so far
+    are kept and the note says why."""
     if not (kv.num_blocks and kv.block_size):
         return None
     block, usable = kv.block_size, kv.num_blocks - 1  # vLLM's block pool keeps one as its null block
@@ -165,8 +176,9 @@ def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity
     def step(c: int) -> bool | None:
         nonlocal error
         try:
+            last = steps[max(steps)] if steps else None
             st = steps[c] = ramp_step(server, stream.take(c, prompt), output, usable, prompt_blocks,
-                                      engine.max_num_seqs, timeout, poll_s)
+                                      engine.max_num_seqs, timeout, poll_interval(last))
         except (OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
             return None
