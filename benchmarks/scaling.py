@@ -8,7 +8,9 @@ cold result and checkpoint caches (benchmarks/default_run.py's temporary home), 
   variants: the same recipe with 1, 2 and 4 W8A8-INT8 variants (one scheme, different SmoothQuant
             strengths: the same work each); prints the whole run's wall and the cost of each added
             variant, (T(n) - T(previous)) / added, which must stay about one variant's cost: no hidden
-            quadratic work in sign-off, rendering or caching;
+            quadratic work in sign-off, rendering or caching; and the same per kind of stage (quantize,
+            engine start, quality, systems, summed over the run's variants) and for the time outside
+            every stage (start-up, sign-off, rendering), to say where any excess goes;
   items:    one variant, PIQA limited to 100, 400 and 1600 items; prints the quality stages' seconds
             (baseline + variant) and seconds per item, which must stay about constant (linear).
 Medians and spreads (max - min) over the runs.
@@ -32,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.default_run import cold_home, stage_times  # noqa: E402
 
 STRENGTHS = (0.8, 0.7, 0.6, 0.5)
+KINDS = ("quantize", "engine start", "quality", "systems")
 
 
 def tiny_model(out: Path) -> Path:
@@ -71,7 +74,9 @@ def one(model: Path, variants: int, items: int) -> dict[str, float]:
             print(proc.stdout[-2000:], proc.stderr[-2000:])
             raise SystemExit(f"run failed (exit {proc.returncode}) after {wall:.0f} s")
         times = stage_times(runs[-1], wall)
-        times["quality (all)"] = sum(v for k, v in times.items() if k.endswith(" quality"))
+        for kind in KINDS:
+            times[f"{kind} (all)"] = sum(v for k, v in times.items() if k.endswith(f" {kind}"))
+        times["outside stages"] = wall - sum(times[f"{kind} (all)"] for kind in KINDS)
         return times
 
 
@@ -88,17 +93,20 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp) / "tiny")
         if a.only in (None, "variants"):
-            walls: dict[int, list[float]] = {1: [], 2: [], 4: []}
+            got: dict[int, list[dict[str, float]]] = {1: [], 2: [], 4: []}
             for i in range(a.runs):
-                for n in walls:
-                    walls[n].append(one(model, n, 100)["whole run"])
-                    print(f"run {i + 1}: {n} variant(s): {walls[n][-1]:.0f} s", flush=True)
+                for n in got:
+                    got[n].append(one(model, n, 100))
+                    print(f"run {i + 1}: {n} variant(s): {got[n][-1]['whole run']:.0f} s", flush=True)
             print("\n== variants (tiny model, cold caches; seconds) ==")
-            for n, vals in walls.items():
-                print(summary(f"whole run, {n} variant(s)", vals))
+            parts = ("whole run", *(f"{kind} (all)" for kind in KINDS), "outside stages")
+            for n, runs in got.items():
+                print(summary(f"whole run, {n} variant(s)", [t["whole run"] for t in runs]))
             for lo, hi in ((1, 2), (2, 4)):
-                per = [(b - c) / (hi - lo) for b, c in zip(walls[hi], walls[lo], strict=True)]
-                print(summary(f"each variant added {lo} -> {hi}", per))
+                for part in parts:
+                    per = [(b[part] - c[part]) / (hi - lo) for b, c in zip(got[hi], got[lo], strict=True)]
+                    label = "each variant added" if part == "whole run" else f"  of which {part}"
+                    print(summary(f"{label} {lo} -> {hi}", per))
         if a.only in (None, "items"):
             q: dict[int, list[float]] = {100: [], 400: [], 1600: []}
             for i in range(a.runs):
