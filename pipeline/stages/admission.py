@@ -176,7 +176,7 @@ def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity
     def step(c: int) -> bool | None:
         nonlocal error
         try:
-            last = steps[max(steps)] if steps else None
+            last = next(reversed(steps.values()), None)  # the step run just before (also when bisecting)
             st = steps[c] = ramp_step(server, stream.take(c, prompt), output, usable, prompt_blocks,
                                       engine.max_num_seqs, timeout, poll_interval(last))
         except (OSError, ValueError) as exc:
