@@ -131,7 +131,7 @@ def cmd_validate(args, recipe) -> int:
         from pipeline import runner
 
         for name, d in runner.support_table(recipe):
-            print(f"  {name:>24}  {d.mode:<11} {d.reason}")
+            print(f"  {name:>24}  {d.mode:<11} {d.compute or '–':<10} {d.reason}")
     return 0
 
 

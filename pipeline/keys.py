@@ -68,12 +68,13 @@ def dense_key(quantize_key_: str) -> str:
     return hash_obj([quantize_key_, "dense", source_hash(DEQUANTIZE_WORKER)])
 
 
-def _common(recipe, weights_hash: str, dtype: str, extra_args: list[str]) -> dict:
-    from pipeline.engines.server import engine_placement  # may run nvidia-smi: only when keys are made
+def _common(recipe, weights_hash: str, dtype: str, extra_args: list[str], numerics: dict | None) -> dict:
+    from pipeline.engines.server import NUMERICS_ENV, engine_placement  # may run nvidia-smi: only when keys are made
 
     engine = recipe.engine.model_dump(exclude={"startup_timeout_s", *POOL_FIELDS})
     engine["variant_args"] = [a for a in extra_args if not a.startswith("/")]  # paths differ per machine
     engine["placement"] = engine_placement()
+    engine["numerics_env"] = dict(sorted((numerics if numerics is not None else NUMERICS_ENV).items()))
     return {"weights": weights_hash, "engine": engine, "dtype": dtype,
             "engine_env": envs.requirements_file("engine").read_text(), "hardware": provenance.hardware()}
 
@@ -96,11 +97,13 @@ def systems_key(recipe, common: dict) -> str:
                      "code": source_hash(*SYSTEMS_CODE)})
 
 
-def evaluate_keys(recipe, weights_hash: str, dtype: str, extra_args: list[str], plan=None) -> tuple[str, str]:
+def evaluate_keys(recipe, weights_hash: str, dtype: str, extra_args: list[str], plan=None,
+                  numerics: dict | None = None) -> tuple[str, str]:
     """(quality key, systems key) of one set of weights served with these engine arguments. The KV pool
     (the budget, a fixed size, and the pool the plan gives this engine) keys systems only: answers do not
-    depend on the pool's size, capacity and memory do."""
-    common = _common(recipe, weights_hash, dtype, extra_args)
+    depend on the pool's size, capacity and memory do. numerics: the engine environment that changes what
+    it computes (pipeline/engines/server.py NUMERICS_ENV; None: the default every engine gets)."""
+    common = _common(recipe, weights_hash, dtype, extra_args, numerics)
     pool = recipe.engine.model_dump(include=set(POOL_FIELDS))
     pool["plan"] = plan.model_dump(include={"mode", "budget_bytes", "reserve_bytes", "pool_bytes", "projected"}) \
         if plan is not None else None

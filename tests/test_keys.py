@@ -40,3 +40,15 @@ def test_the_fingerprints_name_the_files_that_measure():
     assert {"quality.py", "qe_utils.py", "server.py", "sitecustomize.py"} <= names
     assert {"systems.py", "admission.py", "loadgen.py", "server.py"} <= {p.name for p in keys.SYSTEMS_CODE}
     assert all(p.exists() for p in (*keys.QUALITY_CODE, *keys.SYSTEMS_CODE))
+
+
+def test_the_engine_environment_that_changes_numerics_keys_every_result():
+    """The same checkpoint computed as W4A8 (VLLM_CPU_INT4_W4A8=1) is another quality and systems result;
+    None is the default every engine gets, so it keys the same as asking for it."""
+    from pipeline.engines.server import numerics_env
+
+    r = recipe([])
+    default = keys.evaluate_keys(r, "w", "bfloat16", [])
+    assert keys.evaluate_keys(r, "w", "bfloat16", [], numerics=numerics_env("W4A16")) == default
+    w4a8 = keys.evaluate_keys(r, "w", "bfloat16", [], numerics=numerics_env("W4A8"))
+    assert w4a8[0] != default[0] and w4a8[1] != default[1]

@@ -94,6 +94,10 @@ BAD = [
     ("unknown kv cache dtype", lambda d: d["variants"][0].update(kv_cache="int4"), "variants.0.kv_cache"),
     ("smoothing strength out of range", lambda d: d["variants"][0].update(smoothing_strength=1.5),
      "variants.0.smoothing_strength"),
+    ("W4A8 asked of 8-bit weights", lambda d: d["variants"][0].update(scheme="w8a8_int8", group_size=None,
+                                                                       activations="int8"),
+     "activations: int8 is the engine's W4A8 path for 4-bit weights; scheme w8a8_int8 has none"),
+    ("unknown activations", lambda d: d["variants"][0].update(activations="fp8"), "variants.0.activations"),
 ]
 
 

@@ -23,6 +23,7 @@ import pytest
 
 from pipeline import assets, envs, support
 from pipeline.checkpoints import tensor_table
+from pipeline.engines.server import NUMERICS_ENV
 from tests import tinymodel
 from tests.engine_load import selected_kernels
 
@@ -85,16 +86,18 @@ def produce(tiny: Path, case: str, scheme: str, kv: str) -> Path:
     return out
 
 
-def engine_load(model: Path, kv: str, quant: str, tmp: Path) -> tuple[dict, str]:
+def engine_load(model: Path, kv: str, quant: str, tmp: Path, dtype: str = "float32") -> tuple[dict, str]:
     """tests/engine_load.py in its own process group, reaped whole afterwards (vLLM's EngineCore
-    and Worker must not outlive it, nor hold its output open)."""
-    out = tmp / f"load-{model.name}-{kv}-{quant}.json"
-    log_path = tmp / f"load-{model.name}-{kv}-{quant}.log"
+    and Worker must not outlive it, nor hold its output open); with the numerics environment every
+    engine of the product gets."""
+    out = tmp / f"load-{model.name}-{kv}-{quant}-{dtype}.json"
+    log_path = tmp / f"load-{model.name}-{kv}-{quant}-{dtype}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "engine_load.py"), str(model),
-                                 "fp8" if kv != "auto" else "auto", quant, str(out)],
+                                 "fp8" if kv != "auto" else "auto", quant, str(out), dtype],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_HOST_IP": "127.0.0.1"})
+                                env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_HOST_IP": "127.0.0.1",
+                                     **NUMERICS_ENV})
         try:
             proc.wait(timeout=600)
         finally:
@@ -166,15 +169,26 @@ def test_scheme_against_engine(tiny, tmp_path, case, scheme, kv, quant):
     if scheme == "custom":
         assert table[f"{q}.weight_packed"][0] == "I32" and cfg["quantization_config"]["config_groups"]
 
-    # the engine agrees with the decision
-    result, log = engine_load(ckpt, kv, quant, tmp_path)
+    # the engine agrees with the decision, in float32 (every kind's numerics) and, where float32 is refused
+    # but a 16-bit engine is served natively (AMX's INT8 and FP8 kernels), in bfloat16 too
+    engine_agrees(decision, ckpt, kv, quant, tmp_path, "float32")
+    if decision.mode == "unsupported" and not decision.reason.startswith(("fp8_block needs", "activations")):
+        in_bf16 = support.decide(fmt, model_cfg, dtype="bfloat16")
+        if in_bf16.mode == "native":
+            assert "bfloat16" in decision.reason  # the refusal names the dtype that would serve it
+            engine_agrees(in_bf16, ckpt, kv, quant, tmp_path, "bfloat16")
+
+
+def engine_agrees(decision: support.Decision, ckpt: Path, kv: str, quant: str, tmp: Path, dtype: str) -> None:
+    result, log = engine_load(ckpt, kv, quant, tmp, dtype)
     kernels = selected_kernels(log)
     slow = [k for k in kernels if "Torch" in k]
     if decision.mode == "native":
-        assert result["ok"], (decision, result["error"])
+        assert result["ok"], (dtype, decision, result["error"])
         assert not slow, f"native, yet the engine chose a fallback kernel: {slow}"
+        assert decision.compute and decision.activations, decision  # the compute path is named
     else:  # emulated or unsupported: the engine cannot serve it as is, or only via a slow fallback
-        assert not result["ok"] or slow, (decision, result, kernels)
+        assert not result["ok"] or slow, (dtype, decision, result, kernels)
     if decision.mode == "unsupported":
         assert decision.reason
 
@@ -233,7 +247,13 @@ def test_support_probe_is_the_engines_word():
         import torch  # noqa: F401  (the probe's verdicts must match what this process sees)
         import vllm._custom_ops  # noqa: F401
 
-        assert caps["ops"]["cpu_gemm_wna16"] == hasattr(torch.ops._C, "cpu_gemm_wna16")
-        from pipeline.engines.support_probe import wna16_dtypes
+        from pipeline import provenance
+        from pipeline.engines import support_probe as p
 
-        assert caps["wna16_dtypes"] == (wna16_dtypes() if caps["ops"]["cpu_gemm_wna16"] else [])
+        assert caps["ops"]["cpu_gemm_wna16"] == hasattr(torch.ops._C, "cpu_gemm_wna16")
+        assert caps["cpu"]["amx_tile"] == (provenance.cpu_kind() == "cpu-avx512-amx")  # the kind is named right
+        assert caps["platform_name"] == provenance.cpu_kind()
+        if caps["ops"]["cpu_gemm_wna16"]:
+            assert caps["activation_dtypes"]["wna16"] == p._each_dtype(p.wna16_try)
+        assert caps["activation_dtypes"]["int8_w8a8"] == p._each_dtype(p.int8_w8a8_try)
+        assert caps["activation_dtypes"]["w4a8"] == p._each_dtype(p.w4a8_try)

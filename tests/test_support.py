@@ -1,10 +1,10 @@
 """Both branches of every hardware decision, whatever this machine's CPU kind.
 
 The engine's answers (pipeline/engines/support_probe.py) are replaced by recorded ones
-(tests/fixtures/support/: this kind's as the engine gave them, the other kinds' reconstructed
-and labelled so), so native, emulated and SKIPPED are each decided here on any machine. The
-tests that load every scheme in the real engine (test_schemes.py) keep asserting what this
-host's own probe says.
+(tests/fixtures/support/, one per CPU kind: as an engine gave them, or reconstructed and labelled
+so, citing docs/cpu-kinds.md), so native, emulated and SKIPPED, and the compute path each names,
+are decided here against all four kinds on any machine. The tests that load every scheme in the
+real engine (test_schemes.py) keep asserting what this host's own probe says.
 """
 
 from __future__ import annotations
@@ -22,25 +22,42 @@ SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads":
 TILED = {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 8, "num_key_value_heads": 2,
          "num_hidden_layers": 4}  # every Linear a multiple of 128, head size 128
 
-# (answers, scheme, kv_cache, model) -> mode, for an engine computing in float32 (bfloat16: below)
+KINDS = ("cpu-avx2", "cpu-avx512", "cpu-avx512-bf16", "cpu-avx512-amx")
+ROOT = FIXTURES.parent.parent.parent
+
+# (answers, scheme, kv_cache, model, engine dtype, activations) -> (mode, compute path)
 EXPECTED = [
-    ("cpu-avx2", "awq_w4a16", "auto", SMOLLM2, "emulated"),
-    ("cpu-avx512", "awq_w4a16", "auto", SMOLLM2, "emulated"),  # the kernel has no float32 path
-    ("cpu-avx2", "w8a8_int8", "auto", SMOLLM2, "native"),
-    ("cpu-avx512", "w8a8_int8", "auto", SMOLLM2, "native"),
-    ("cpu-avx2", "none", "fp8", SMOLLM2, "unsupported"),
-    ("cpu-avx512", "none", "fp8", SMOLLM2, "native"),
-    ("cpu-avx512", "w8a8_int8", "fp8_calibrated", SMOLLM2, "native"),
-    ("cpu-avx512", "fp8_block", "auto", SMOLLM2, "unsupported"),  # 576 is not a multiple of 128
-    ("cpu-avx512-amx", "fp8_block", "auto", TILED, "native"),
-    ("cpu-avx512", "fp8_block", "auto", TILED, "unsupported"),  # no AMX
-    ("cpu-avx512", "fp8_dynamic", "auto", TILED, "unsupported"),
-    ("cpu-avx2", "bnb_nf4", "auto", SMOLLM2, "unsupported"),
-    ("cpu-avx512", "bnb_int8", "auto", SMOLLM2, "unsupported"),
-    # AMD EPYC Zen 5 (AVX512-BF16, no AMX), as its engine answered: FP8 KV yes, FP8 weights need AMX
-    ("cpu-avx512-bf16", "w8a8_int8", "fp8_calibrated", SMOLLM2, "native"),
-    ("cpu-avx512-bf16", "fp8_block", "auto", TILED, "unsupported"),
-    ("cpu-avx512-bf16", "fp8_dynamic", "auto", TILED, "unsupported"),
+    ("cpu-avx2", "awq_w4a16", "auto", SMOLLM2, "float32", "auto", "emulated", "W4A16 (emulated"),
+    ("cpu-avx512", "awq_w4a16", "auto", SMOLLM2, "float32", "auto", "emulated", "W4A16 (emulated"),  # no fp32 path
+    ("cpu-avx512", "awq_w4a16", "auto", SMOLLM2, "bfloat16", "auto", "native", "W4A16"),
+    ("cpu-avx2", "w8a8_int8", "auto", SMOLLM2, "float32", "auto", "native", "W8A8-INT8"),
+    ("cpu-avx512", "w8a8_int8", "auto", SMOLLM2, "float32", "auto", "native", "W8A8-INT8"),
+    ("cpu-avx2", "none", "fp8", SMOLLM2, "float32", "auto", "unsupported", ""),
+    ("cpu-avx512", "none", "fp8", SMOLLM2, "float32", "auto", "native", "dense"),
+    ("cpu-avx512", "w8a8_int8", "fp8_calibrated", SMOLLM2, "float32", "auto", "native", "W8A8-INT8"),
+    ("cpu-avx512", "fp8_block", "auto", SMOLLM2, "float32", "auto", "unsupported", ""),  # 576: not a multiple of 128
+    ("cpu-avx512", "fp8_block", "auto", TILED, "bfloat16", "auto", "unsupported", ""),  # no AMX
+    ("cpu-avx512", "fp8_dynamic", "auto", TILED, "float32", "auto", "unsupported", ""),
+    ("cpu-avx2", "bnb_nf4", "auto", SMOLLM2, "float32", "auto", "unsupported", ""),
+    ("cpu-avx512", "bnb_int8", "auto", SMOLLM2, "float32", "auto", "unsupported", ""),
+    # AMD EPYC Zen 5 (AVX512-BF16, no AMX): FP8 KV yes, FP8 weights need AMX, no W4A8 path
+    ("cpu-avx512-bf16", "w8a8_int8", "fp8_calibrated", SMOLLM2, "bfloat16", "auto", "native", "W8A8-INT8"),
+    ("cpu-avx512-bf16", "awq_w4a16", "auto", SMOLLM2, "bfloat16", "auto", "native", "W4A16"),
+    ("cpu-avx512-bf16", "awq_w4a16", "auto", SMOLLM2, "bfloat16", "int8", "unsupported", ""),
+    ("cpu-avx512-bf16", "fp8_block", "auto", TILED, "bfloat16", "auto", "unsupported", ""),
+    ("cpu-avx512-bf16", "fp8_dynamic", "auto", TILED, "bfloat16", "auto", "unsupported", ""),
+    # Intel AMX: its INT8 and FP8 kernels take only 16-bit activations; its 4-bit kernel has a W4A8 path
+    ("cpu-avx512-amx", "w8a8_int8", "auto", SMOLLM2, "float32", "auto", "unsupported", ""),
+    ("cpu-avx512-amx", "w8a8_int8", "auto", SMOLLM2, "bfloat16", "auto", "native", "W8A8-INT8"),
+    ("cpu-avx512-amx", "w8a8_int8", "fp8_calibrated", SMOLLM2, "float32", "auto", "unsupported", ""),
+    ("cpu-avx512-amx", "none", "fp8_calibrated", SMOLLM2, "float32", "auto", "native", "dense"),
+    ("cpu-avx512-amx", "fp8_block", "auto", TILED, "float32", "auto", "unsupported", ""),
+    ("cpu-avx512-amx", "fp8_block", "auto", TILED, "bfloat16", "auto", "native", "W8A16-FP8"),  # weight-only
+    ("cpu-avx512-amx", "fp8_dynamic", "auto", TILED, "bfloat16", "auto", "unsupported", ""),  # needs AMX-FP8
+    ("cpu-avx512-amx", "awq_w4a16", "auto", SMOLLM2, "bfloat16", "auto", "native", "W4A16"),
+    ("cpu-avx512-amx", "awq_w4a16", "auto", SMOLLM2, "bfloat16", "int8", "native", "W4A8"),
+    ("cpu-avx512-amx", "gptq_w4a16", "auto", SMOLLM2, "float32", "int8", "unsupported", ""),
+    ("cpu-avx512-amx", "w8a8_int8", "auto", SMOLLM2, "bfloat16", "int8", "unsupported", ""),  # W4A8 is for 4-bit
 ]
 
 
@@ -48,18 +65,61 @@ def answers(name: str) -> dict:
     return support.recorded_answers(FIXTURES / f"{name}.json")
 
 
-@pytest.mark.parametrize("kind,scheme,kv,cfg,mode", EXPECTED,
-                         ids=[f"{e[0]}-{e[1]}-{e[2]}-{'smollm2' if e[3] is SMOLLM2 else 'tiled'}" for e in EXPECTED])
-def test_decisions_from_recorded_answers(kind, scheme, kv, cfg, mode):
-    d = support.decide(support.scheme_format(scheme, kv), cfg, answers(kind))
+@pytest.mark.parametrize("kind,scheme,kv,cfg,dtype,acts,mode,compute", EXPECTED,
+                         ids=[f"{e[0]}-{e[1]}-{e[2]}-{'smollm2' if e[3] is SMOLLM2 else 'tiled'}-{e[4]}-{e[5]}"
+                              for e in EXPECTED])
+def test_decisions_from_recorded_answers(kind, scheme, kv, cfg, dtype, acts, mode, compute):
+    d = support.decide(support.scheme_format(scheme, kv), cfg, answers(kind), dtype=dtype, activations=acts)
     assert d.mode == mode, d
-    assert f"recorded answers, {kind}.json" in d.platform  # a decision never passes for this machine's
+    assert d.compute.startswith(compute) and (d.mode == "unsupported") == (d.compute == ""), d
+    assert f"{kind}.json" in d.platform and "answers" in d.platform  # a decision never passes for this machine's
+
+
+def test_a_float32_engine_on_amx_is_refused_with_the_engines_reason_and_the_fix():
+    """Not 'native' and then a crash on the first request (issue #29): the kernel's own words, and the
+    dtype that serves it for every variant alike."""
+    for scheme, cfg in (("w8a8_int8", SMOLLM2), ("fp8_block", TILED)):
+        d = support.decide(support.scheme_format(scheme, "auto"), cfg, answers("cpu-avx512-amx"), dtype="float32")
+        assert "expect A to be bfloat16 or half" in d.reason and "engine.dtype: bfloat16" in d.reason, d
+
+
+def test_the_compute_path_says_what_the_activations_are():
+    amx = answers("cpu-avx512-amx")
+    w4 = support.decide(support.scheme_format("awq_w4a16", "auto"), SMOLLM2, amx, dtype="bfloat16")
+    assert (w4.compute, w4.activations) == ("W4A16", "bfloat16") and "VLLM_CPU_INT4_W4A8=0" in w4.reason
+    w4a8 = support.decide(support.scheme_format("awq_w4a16", "auto"), SMOLLM2, amx, dtype="bfloat16",
+                          activations="int8")
+    assert w4a8.compute == "W4A8" and w4a8.activations.startswith("int8")
+    fp8 = support.decide(support.scheme_format("fp8_block", "auto"), TILED, amx, dtype="bfloat16")
+    assert fp8.activations == "bfloat16" and "weight-only" in fp8.reason
+    int8 = support.decide(support.scheme_format("w8a8_int8", "auto"), SMOLLM2, answers("cpu-avx512"))
+    assert int8.activations == "int8 per token (from float32)" and "oneDNN" in int8.reason
+
+
+def test_the_engine_environment_follows_the_compute_path():
+    """W4A8 only where the decision says W4A8: every other engine runs with vllm-cpu's W4A8 path off."""
+    from pipeline.engines.server import NUMERICS_ENV, engine_env, numerics_env
+
+    assert NUMERICS_ENV == {"VLLM_CPU_INT4_W4A8": "0"} == numerics_env("W4A16") == numerics_env("")
+    assert numerics_env("W4A8") == {"VLLM_CPU_INT4_W4A8": "1"}
+
+    class Engine:
+        pass
+
+    import os
+
+    os.environ["VLLM_CPU_INT4_W4A8"] = "1"  # a user's shell cannot switch the path unseen
+    try:
+        assert engine_env(Engine())["VLLM_CPU_INT4_W4A8"] == "0"
+        assert engine_env(Engine(), numerics_env("W4A8"))["VLLM_CPU_INT4_W4A8"] == "1"
+    finally:
+        del os.environ["VLLM_CPU_INT4_W4A8"]
 
 
 def test_the_4bit_kernel_is_native_in_the_dtypes_it_computes_in():
     for kind, dtype, mode in (("cpu-avx512", "bfloat16", "native"), ("cpu-avx512", "float32", "emulated"),
                               ("cpu-avx2", "bfloat16", "emulated"), ("cpu-avx512-bf16", "bfloat16", "native"),
-                              ("cpu-avx512-bf16", "float32", "emulated")):
+                              ("cpu-avx512-bf16", "float32", "emulated"), ("cpu-avx512-amx", "bfloat16", "native")):
         d = support.decide(support.scheme_format("gptq_w4a16", "auto"), SMOLLM2, answers(kind), dtype=dtype)
         assert d.mode == mode, (kind, dtype, d)
     d = support.decide(support.scheme_format("gptq_w4a16", "auto"), SMOLLM2, answers("cpu-avx512"))
@@ -79,7 +139,7 @@ def test_reasons_name_what_is_missing():
 def test_the_environment_injects_answers(monkeypatch, tmp_path):
     monkeypatch.setenv(support.ANSWERS_ENV, str(FIXTURES / "cpu-avx2.json"))
     caps = support.capabilities()  # no engine asked
-    assert caps["ops"]["cpu_gemm_wna16"] is False and caps["platform_name"].startswith("cpu-avx2 (recorded")
+    assert caps["ops"]["cpu_gemm_wna16"] is False and caps["platform_name"].startswith("cpu-avx2 (answers")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"platform": "cpu"}))
     monkeypatch.setenv(support.ANSWERS_ENV, str(bad))
@@ -87,11 +147,43 @@ def test_the_environment_injects_answers(monkeypatch, tmp_path):
         support.capabilities()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_fixture_says_where_its_answers_came_from(kind):
+    """Recorded answers name the host and date; reconstructed ones say which fields, from what, and cite
+    files in this repository (a citation of a file that is not here fails); every decision made from them
+    says 'reconstructed'."""
+    rec = json.loads((FIXTURES / f"{kind}.json").read_text())
+    src = rec["_source"]
+    assert src["recorded"] or src["reconstructed"], kind
+    assert {"activation_dtypes", "fp8_kv", "cpu", "kernels", "ops", "methods"} <= set(rec)
+    assert set(rec["activation_dtypes"]) == {"wna16", "int8_w8a8", "fp8_block", "fp8_tensor", "fp8_channel", "w4a8"}
+    d = support.decide(support.scheme_format("none", "fp8"), SMOLLM2, answers(kind))
+    if src["reconstructed"]:
+        assert src["reconstructed"]["fields"] and src["reconstructed"]["from"]
+        for path in src["reconstructed"]["cites"]:
+            assert (ROOT / path).is_file(), f"{kind}.json cites {path}, which is not in the repository"
+        assert "reconstructed" in d.platform, d
+    else:
+        assert "recorded answers" in d.platform and "reconstructed" not in d.platform
+
+
 def test_this_kinds_fixture_is_what_the_engine_answered():
     """The fixture of the kind a session recorded is the probe's output verbatim (plus its name)."""
     rec = json.loads((FIXTURES / "cpu-avx512.json").read_text())
-    assert rec["_source"].startswith("support_probe on") and rec["vllm"] == "0.32.0"
-    assert {"methods", "ops", "kernels", "fp8_kv_by_head_size"} <= set(rec)
+    assert rec["_source"]["recorded"].startswith("support_probe on") and rec["vllm"] == "0.32.0"
+    assert rec["_source"]["reconstructed"] is None
+
+
+def test_the_kind_is_named_by_its_features():
+    from pipeline.provenance import cpu_kind
+
+    avx512 = frozenset({"avx2", "avx512f", "avx512_vnni"})
+    assert cpu_kind(frozenset({"avx2", "fma"})) == "cpu-avx2"
+    assert cpu_kind(avx512) == "cpu-avx512"
+    assert cpu_kind(avx512 | {"avx512_bf16"}) == "cpu-avx512-bf16"
+    assert cpu_kind(avx512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}) == "cpu-avx512-amx"
+    for kind in KINDS:
+        assert json.loads((FIXTURES / f"{kind}.json").read_text())["platform_name"] == kind
 
 
 @pytest.mark.parametrize("cc,fp8,scheme,kv,mode,why", [

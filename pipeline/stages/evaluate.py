@@ -30,14 +30,15 @@ def logprob_args(recipe) -> list[str]:
 def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
              need_quality: str | None, need_systems: str | None, tasks_dir: Path,
              log=print, extra_args: list[str] | None = None,
-             spent=None, plan=None) -> tuple[QualityResult | None, SystemsResult | None]:
+             spent=None, plan=None, numerics: dict | None = None) -> tuple[QualityResult | None, SystemsResult | None]:
     """Start one engine; run whichever of quality/systems are missing (their input hashes).
     `spent` (an outcome.Spent) is charged the engine start and the engine's busy seconds; `plan`
-    (a results.BudgetPlan) is the KV pool it is started with."""
+    (a results.BudgetPlan) is the KV pool it is started with; `numerics` the engine environment that changes
+    what it computes (server.numerics_env)."""
     extra_args = list(extra_args or []) + logprob_args(recipe)
     with one_measuring_engine_per_host(bool(need_systems), log):
         return _evaluate(model_dir, recipe, variant, vdir, dtype, need_quality, need_systems, tasks_dir, log,
-                         extra_args, spent, plan)
+                         extra_args, spent, plan, numerics)
 
 
 @contextlib.contextmanager
@@ -60,11 +61,11 @@ def one_measuring_engine_per_host(measuring: bool, log):
 
 
 def _evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str, need_quality: str | None,
-              need_systems: str | None, tasks_dir: Path, log, extra_args: list[str], spent, plan):
+              need_systems: str | None, tasks_dir: Path, log, extra_args: list[str], spent, plan, numerics):
     q = s = None
     act_bytes, kv_bytes = provenance.dtype_bytes(dtype), provenance.kv_elem_bytes(dtype, extra_args)
     server = Server(model_dir, recipe.engine, dtype, vdir / "engine.log", recipe.model.trust_remote_code, extra_args,
-                    kv_pool_bytes=plan.pool_bytes if plan is not None else None)
+                    kv_pool_bytes=plan.pool_bytes if plan is not None else None, numerics=numerics)
     if spent is not None:
         spent.engine_starts += 1  # counted whether it then serves or fails
     try:
