@@ -59,7 +59,8 @@ def rows(run: Path) -> list[list[str]]:
         lat = s.get("latency") or {}
         piqa = (q.get("suites") or {}).get("piqa") or {}
         served = "yes" if lat.get("completed") else ("quality only" if q.get("status") == "ok" else "no")
-        out.append([name, mode, "FAILED: " + err[:120] if err else served,
+        compute = f"{sup['compute']} ({sup.get('activations')})" if sup.get("compute") else "–"
+        out.append([name, mode, compute, "FAILED: " + err[:120] if err else served,
                     f"{lat['output_tok_per_s']:.1f}" if lat.get("output_tok_per_s") else "–",
                     str((s.get("kv") or {}).get("tokens") or "–"),
                     f"{piqa['accuracy']:.3f}" if piqa else "–",
@@ -82,11 +83,12 @@ def main() -> int:
         table = rows(run)
     model, flags = cpu()
     vllm = next((f"{k} {v}" for k, v in manifest["versions"].items() if k.startswith("vllm")), "vllm ?")
-    head = (f"\n## {time.strftime('%Y-%m-%d')}: {model} ({flags}), {vllm}, engine dtype {manifest['engine_dtype']}\n\n"
+    head = (f"\n## {time.strftime('%Y-%m-%d')}: {model} ({flags}; kind {manifest['hardware'].get('kind', '?')}), {vllm}, "
+            f"engine dtype {manifest['engine_dtype']}\n\n"
             f"`python3 benchmarks/hardware_matrix.py`, {wall:.0f} s wall, exit {proc.returncode}. "
             "PIQA 50 items (±0.13 at 95%: tells broken from working, not small differences).\n\n"
-            "| variant | here | served | output tok/s | KV tokens | PIQA acc | engine support says |\n"
-            "|---|---|---|---|---|---|---|\n")
+            "| variant | here | computed as | served | output tok/s | KV tokens | PIQA acc | engine support says |\n"
+            "|---|---|---|---|---|---|---|---|\n")
     text = head + "".join("| " + " | ".join(r) + " |\n" for r in table)
     print(text)
     if write:

@@ -29,14 +29,20 @@ def verdict_section(run: Run) -> str:
                 '</div>' + (f"<p>Stages without a result yet: {escape(', '.join(missing))}.</p>" if missing else ""))
     rec = (f" — recommended: <b>{escape(so.recommended)}</b> "
            f"<span class='small'>({escape(so.recommendation_rule)})</span>") if so.recommended else ""
-    rows = [[escape(v.variant), tag(v.verdict), escape(v.reason or
+    rows = [[escape(v.variant), escape(_computed(run, v.variant)), tag(v.verdict), escape(v.reason or
              ", ".join(f"{g.metric}[{g.scope}] {g.outcome}" for g in v.gates) or "no gates")]
             for v in so.variants]
+    head = ["variant", "computed as", "verdict", "why"]
     if run.search:  # the search's answer is the banner; this is every candidate's own sign-off
-        return ("<h2>Sign-off of every candidate and reference</h2>"
-                + table(["variant", "verdict", "why"], rows, left=3))
+        return "<h2>Sign-off of every candidate and reference</h2>" + table(head, rows, left=4)
     return (f'<div class="banner {escape(so.verdict)}">VERDICT: {escape(so.verdict)}{rec}</div>'
-            + table(["variant", "verdict", "why"], rows, left=3))
+            + table(head, rows, left=4))
+
+
+def _computed(run: Run, name: str) -> str:
+    """The precision the engine really computed the variant in (support.json; the schemes table has why)."""
+    sup = (run.variants[name].support if name in run.variants else None) or {}
+    return f"{sup['compute']} × {sup.get('activations')}" if sup.get("compute") else "–"
 
 
 def gates_section(run: Run) -> str:

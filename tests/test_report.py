@@ -158,3 +158,16 @@ def test_knee_not_reached_old_probes_and_device_memory_source(run):
     assert "≥ 4 (not reached)" in html and "never all running: no test" in html
     assert "(device 3,072 MiB, whole GPU − before start: approximate)" in html
     assert "(device 1,024 MiB)" in html
+
+
+def test_the_first_table_and_the_schemes_table_say_what_the_engine_computed(run):
+    """A W4A16 checkpoint computed as W4A8 must not read as W4A16: the compute path and the engine
+    environment that chose it stand beside the verdict and in the schemes table."""
+    write_json(run / "v4" / "support.json", {"mode": "native", "platform": "cpu-avx512-amx", "reason": "r",
+                                             "compute": "W4A8", "activations": "int8 per token (from bfloat16)",
+                                             "format": "wna16", "engine_env": {"VLLM_CPU_INT4_W4A8": "1"}})
+    html = render_run(run).read_text()
+    assert "<th class=\"l\">computed as</th>" in html
+    assert "W4A8 × int8 per token (from bfloat16)" in html  # the verdict table
+    assert "W4A8 (int8 per token (from bfloat16) activations; VLLM_CPU_INT4_W4A8=1)" in html  # schemes table
+    assert "engine environment (numerics)" in html
