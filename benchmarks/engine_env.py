@@ -16,7 +16,7 @@ def reexec_under_engine_env(script: str) -> None:
     if os.environ.get("QE_IN_ENGINE_ENV") == "1":
         sys.path.insert(0, str(ROOT))
         return
-    py = subprocess.run([sys.executable, str(ROOT / "pipeline" / "envs.py"), "engine"], capture_output=True,
+    py = subprocess.run([sys.executable, str(ROOT / "pipeline" / "setup" / "envs.py"), "engine"], capture_output=True,
                         text=True, check=True).stdout.strip()
     env = {**os.environ, "QE_IN_ENGINE_ENV": "1", "PYTHONPATH": str(ROOT)}
     sys.exit(subprocess.run([py, script, *sys.argv[1:]], env=env).returncode)

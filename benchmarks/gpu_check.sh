@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader || { echo "no NVIDIA GPU visible" >&2; exit 1; }
-py="$(python3 pipeline/envs.py engine)"   # engine-cuda.txt on a machine with an NVIDIA GPU
+py="$(python3 pipeline/setup/envs.py engine)"   # engine-cuda.txt on a machine with an NVIDIA GPU
 PYTHONPATH="$PWD" "$py" -c "from pipeline import support; import json; print(json.dumps(support.capabilities(), indent=1))"
 if [ "${1:-}" = "--write" ]; then
   python3 benchmarks/hardware_matrix.py

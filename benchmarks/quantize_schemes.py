@@ -24,9 +24,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-    from pipeline import envs, keys, provenance, runner
-    from pipeline import recipe as recipe_mod
-    from pipeline.outcome import Spent
+    from pipeline.setup import envs
+    from pipeline.store import keys, provenance
+    from pipeline.run import runner
+    from pipeline.recipe import schema as recipe_mod
+    from pipeline.store.outcome import Spent
     from pipeline.runstore import hash_obj
     from pipeline.stages import quantize as quantize_stage
 

@@ -24,7 +24,7 @@ from benchmarks.engine_env import reexec_under_engine_env  # noqa: E402
 
 reexec_under_engine_env(__file__)
 
-from pipeline import envs  # noqa: E402
+from pipeline.setup import envs  # noqa: E402
 from tests import tinymodel  # noqa: E402
 from tests.test_ray import recipe  # noqa: E402  (the same two-variant matrix the test runs)
 

@@ -38,7 +38,7 @@ KINDS = ("quantize", "engine start", "quality", "systems")
 
 
 def tiny_model(out: Path) -> Path:
-    py = subprocess.run([sys.executable, str(ROOT / "pipeline" / "envs.py"), "engine"], capture_output=True,
+    py = subprocess.run([sys.executable, str(ROOT / "pipeline" / "setup" / "envs.py"), "engine"], capture_output=True,
                         text=True, check=True).stdout.strip().splitlines()[-1]
     subprocess.run([py, "-c", f"from tests import tinymodel; tinymodel.build(__import__('pathlib').Path({str(out)!r}))"],
                    cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True, capture_output=True)

@@ -39,7 +39,7 @@ def one_run(installer: str) -> tuple[float, dict[str, float], str]:
            "UV_CACHE_DIR": str(fresh / "uv"), "XDG_CACHE_HOME": str(fresh / "cache"),
            "QUANTIZE_EVAL_INSTALLER": installer}
     t0 = time.perf_counter()
-    procs = {kind: subprocess.Popen([sys.executable, str(ROOT / "pipeline" / "envs.py"), kind], env=env,
+    procs = {kind: subprocess.Popen([sys.executable, str(ROOT / "pipeline" / "setup" / "envs.py"), kind], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for kind in ("quantize", "engine")}
     ready: dict[str, float] = {}

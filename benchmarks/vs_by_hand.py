@@ -41,7 +41,9 @@ from benchmarks.engine_env import reexec_under_engine_env  # noqa: E402
 
 reexec_under_engine_env(__file__)
 
-from pipeline import assets, envs, provenance, suites  # noqa: E402
+from pipeline.setup import assets, envs  # noqa: E402
+from pipeline.store import provenance
+from pipeline import suites
 from pipeline.engines.quantize_worker import build_recipe  # noqa: E402
 from pipeline.engines.server import free_port  # noqa: E402
 

@@ -75,7 +75,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_make_legacy(args) -> int:
-    from pipeline import legacy_formats
+    from pipeline.store import legacy_formats
 
     src, out = Path(args.model_dir), Path(args.out_dir)
     if not (src / "config.json").is_file():
@@ -101,13 +101,13 @@ def cmd_report(args) -> int:
 
 
 def _model_dir(recipe) -> Path:
-    from pipeline import assets
+    from pipeline.setup import assets
 
     return assets.builtin_model_dir(recipe.model.builtin) if recipe.model.builtin else Path(recipe.model.path).resolve()
 
 
 def cmd_validate(args, recipe) -> int:
-    from pipeline import preflight
+    from pipeline.run import preflight
 
     try:
         pending = preflight.for_validate(recipe, Path(args.recipe))
@@ -128,7 +128,7 @@ def cmd_validate(args, recipe) -> int:
     if memory:
         print("  memory: " + memory)
     if args.support:
-        from pipeline import runner
+        from pipeline.run import runner
 
         for name, d in runner.support_table(recipe):
             print(f"  {name:>24}  {d.mode:<11} {d.compute or '–':<10} {d.reason}")
@@ -139,7 +139,8 @@ def cmd_run(args, recipe) -> int:
     import os
     import signal
 
-    from pipeline import progress, runner
+    from pipeline import progress
+    from pipeline.run import runner
 
     if args.quiet:
         os.environ[progress.QUIET_ENV] = "1"  # stage processes (Ray) inherit it
@@ -154,7 +155,7 @@ def cmd_run(args, recipe) -> int:
                     f"quantize-eval search {args.recipe}")
     try:
         if args.cmd == "search":
-            from pipeline import search
+            from pipeline.search import ladder as search
 
             if recipe.search is None:
                 return fail(f"{args.recipe}: search: this recipe has no search section (see recipes/search.yaml)")
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     no_recipe = {"compare": cmd_compare, "make-legacy": cmd_make_legacy, "report": cmd_report}
     if args.cmd in no_recipe:
         return no_recipe[args.cmd](args)
-    from pipeline.recipe import RecipeError, load
+    from pipeline.recipe.schema import RecipeError, load
 
     try:
         recipe = load(args.recipe)
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         ex = recipe.executor.model_copy(update={"kind": "ray", "address": None if args.ray == "local" else args.ray})
         recipe = recipe.model_copy(update={"executor": ex})
     if args.cmd == "_stage":
-        from pipeline import runner
+        from pipeline.run import runner
 
         return runner.stage_main(recipe, Path(args.recipe), Path(args.run_dir), args.variant, args.stage)
     if args.cmd == "validate":

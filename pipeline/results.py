@@ -158,7 +158,7 @@ class AdmissionProbe(Model):
 
 
 class BudgetPlan(Model):
-    """How one engine's KV pool was sized (pipeline/membudget.py) and what the engine then did with it."""
+    """How one engine's KV pool was sized (pipeline/measure/membudget.py) and what the engine then did with it."""
 
     mode: Literal["budget", "gpu", "fixed"] = Field(
         description="budget: pool = budget - weights - reserve (CPU); gpu: vLLM sized the pool within "

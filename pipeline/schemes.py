@@ -1,6 +1,6 @@
 """The quantization schemes a variant can name, one row each: who produces the weights, in what format.
 
-Standard library only: the recipe schema (pipeline/recipe.py), the support matrix
+Standard library only: the recipe schema (pipeline/recipe/schema.py), the support matrix
 (pipeline/support.py), the engine command line and the quantize worker (which runs in the
 quantize environment, pipeline/engines/quantize_worker.py) all read this one table.
 """

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from pipeline import assets, suitetable
+from pipeline.setup import assets
+from pipeline import suitetable
 from pipeline.runstore import atomic_write_text
 
 EVALSUITES = Path(__file__).resolve().parent.parent / "evalsuites"

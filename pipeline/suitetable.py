@@ -1,8 +1,8 @@
 """The builtin quality suites, one row each: what kind of suite, where its items come from, how they are sliced.
 
 Standard library only and importing nothing of this package, so that every reader can import
-it without a cycle: pipeline/assets.py (which extracts each suite's data), pipeline/suites.py
-(which renders suites into a run) and pipeline/recipe.py (which validates suite names).
+it without a cycle: pipeline/setup/assets.py (which extracts each suite's data), pipeline/suites.py
+(which renders suites into a run) and pipeline/recipe/schema.py (which validates suite names).
 A suite's task YAML is `evalsuites/<name>.yaml` (drift has none: it is pipeline-native).
 """
 
@@ -19,7 +19,7 @@ KINDS = (
 
 @dataclass(frozen=True)
 class Source:
-    """Where a suite's items come from: a file of a pinned package (pipeline/assets.py PINNED)."""
+    """Where a suite's items come from: a file of a pinned package (pipeline/setup/assets.py PINNED)."""
 
     package: str  # the pinned package's name
     extractor: str  # how assets reads it: mc | mc_passage | bigbench | asdiv | bfcl | essays

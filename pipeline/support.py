@@ -30,7 +30,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import envs, modelcfg, provenance, schemes
+from pipeline.setup import envs, modelcfg
+from pipeline.store import provenance
+from pipeline import schemes
 from pipeline.runstore import hash_obj, sha256_file
 
 PROBE = Path(__file__).resolve().parent / "engines" / "support_probe.py"

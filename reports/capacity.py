@@ -1,6 +1,6 @@
 """Capacity under the memory budget: what each variant's weights leave for KV, and the trade-off line.
 
-Reads each variant's systems.json: the pool plan (pipeline/membudget.py, `kv.plan`), the engine's own
+Reads each variant's systems.json: the pool plan (pipeline/measure/membudget.py, `kv.plan`), the engine's own
 KV figures and the measured admission knee. A variant no engine ran natively here has a *projected*
 plan only: its figures are marked projected wherever they appear and never enter a measured column.
 """

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline import stats
+from pipeline.measure import stats
 from pipeline.results import QualityResult
 from reports.view import validated
 

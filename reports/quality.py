@@ -13,7 +13,7 @@ from html import escape
 from pathlib import Path
 
 from pipeline.results import PairedSlice, SuiteQuality
-from pipeline.stats import wilson
+from pipeline.measure.stats import wilson
 from reports.html import fmt, table
 from reports.view import Run
 

@@ -1,4 +1,4 @@
-"""The search's answer (RUN/search/search.json, written by pipeline/search.py): which candidate, what it
+"""The search's answer (RUN/search/search.json, written by pipeline/search/ladder.py): which candidate, what it
 keeps at higher precision, the frontier of every candidate built with its verdict, and the measured
 sensitivity per block and per Linear kind. Reads search.json only; it judges nothing.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from html import escape
 
-from pipeline.mixed import describe_parts
+from pipeline.search.mixed import describe_parts
 from reports.charts import _axes, _figure
 from reports.html import fmt, in_mib, mib, table, tag
 from reports.view import Run

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.recipe import Recipe
+from pipeline.recipe.schema import Recipe
 from pipeline.results import BudgetPlan, KVCapacity, Latency, Percentiles, QualityResult, SuiteQuality, SystemsResult
 from pipeline.runstore import write_json
 
@@ -42,7 +42,7 @@ def write_variant(root: Path, name: str, correct: dict[str, list[int]], tpot: fl
     lat = Latency(ttft_ms=p(100.0), tpot_ms=p(tpot), itl_ms=p(tpot), e2e_ms=p(100 + 63 * tpot), completed=16,
                   failed=0, timed_out=0, output_tokens=1024, duration_s=10.0, output_tok_per_s=102.4,
                   request_per_s=1.6)
-    # the same 4 GiB budget: smaller weights leave a bigger pool (pipeline/membudget.py)
+    # the same 4 GiB budget: smaller weights leave a bigger pool (pipeline/measure/membudget.py)
     weights = 538_000_000 if name == "baseline" else 150_000_000
     pool = 4 * 2**30 - weights - int(2.9 * 2**30)
     per_block = 23040 * 128

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from pipeline import assets, pkgindex
+from pipeline.setup import assets, pkgindex
 
 
 def _no_installer(monkeypatch):

@@ -1,4 +1,4 @@
-"""The KV pool arithmetic (pipeline/capacity.py) against vLLM's own figures and functions.
+"""The KV pool arithmetic (pipeline/measure/capacity.py) against vLLM's own figures and functions.
 
 Dense, GQA, FP8 KV, tensor parallel, and sliding-window hybrids (Gemma-2 1:1, Gemma-3 5:1,
 Mistral all-sliding): the layout we predict before an engine starts must be the one vLLM builds,
@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from pipeline import capacity
+from pipeline.measure import capacity
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
 

@@ -1,6 +1,6 @@
 """GPTQ- and AWQ-format checkpoints (as AutoGPTQ / AutoAWQ wrote them) import exactly.
 
-Fixtures are packed with vLLM's own packers (pipeline/legacy_formats.py); the dequantizer that
+Fixtures are packed with vLLM's own packers (pipeline/store/legacy_formats.py); the dequantizer that
 serves them on engines without a 4-bit kernel must give back exactly the quantized values,
 and the support matrix must read their configs as 4-bit weight-only.
 """
@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import envs, legacy_formats, support
-from pipeline.checkpoints import facts
-from pipeline.recipe import RecipeError, check_checkpoint_dir
+from pipeline.setup import envs
+from pipeline.store import legacy_formats
+from pipeline import support
+from pipeline.store.checkpoints import facts
+from pipeline.recipe.schema import RecipeError, check_checkpoint_dir
 from pipeline.runstore import weight_bytes
 from tests import tinymodel
 
@@ -64,7 +66,7 @@ def test_make_legacy_then_import_validates(tiny, tmp_path, monkeypatch):
     import subprocess
     import sys
 
-    from pipeline.recipe import load
+    from pipeline.recipe.schema import load
 
     root = Path(__file__).resolve().parent.parent
     env = {**__import__("os").environ, "PYTHONPATH": str(root)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import stat
 
-from pipeline import envs, installer
+from pipeline.setup import envs, installer
 
 LISTING = """:env:.cert='/etc/ssl/certs/ca.crt'
 :env:.default-timeout='180'

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import legacy_formats
+from pipeline.store import legacy_formats
 from tests import tinymodel
 
 pytestmark = pytest.mark.integration
@@ -68,7 +68,7 @@ def run(tmp_path_factory):
 
 def compressed_tensors_checkpoint(model: Path, out: Path) -> None:
     """An RTN W4A16 compressed-tensors checkpoint, written by llm-compressor (the quantize worker)."""
-    from pipeline import assets, envs
+    from pipeline.setup import assets, envs
 
     spec = {"model_dir": str(model), "out_dir": str(out), "scheme": "rtn_w4a16", "kv_cache": "auto",
             "group_size": 64, "ignore": ["lm_head"], "calibration_file": str(assets.calibration_text("xsum")),
@@ -94,7 +94,7 @@ def test_run_completes_with_verdict(run):
     html = (run["dir"] / "report.html").read_text()
     assert "VERDICT" in html and "awq" in html
     # quantization progress is read from llm-compressor's own bars, one subgraph per decoder layer (+ the head)
-    from pipeline.envs import log_counter
+    from pipeline.setup.envs import log_counter
     from pipeline.stages.quantize import PROGRESS
 
     for name in ("awq", "w8a8"):
@@ -264,7 +264,7 @@ def evaluated(run) -> list[str]:
 def test_emulated_variants_are_served_exactly_their_quantized_values(run, tmp_path):
     """The AWQ checkpoint and the imported compressed-tensors one were served as dense copies (the
     AVX2 kind has no 4-bit kernel): each holds exactly compressed-tensors' own decompression."""
-    from pipeline import envs
+    from pipeline.setup import envs
 
     for name in ("awq", "imported-ct"):
         ckpt = Path(load(run, name, "quantize.json")["checkpoint_dir"])

@@ -1,4 +1,4 @@
-"""The memory budget (pipeline/membudget.py): weights as loaded from the headers, the pool each
+"""The memory budget (pipeline/measure/membudget.py): weights as loaded from the headers, the pool each
 engine gets, projected plans, and budgets too small to start an engine (exit 2 naming the field)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from pipeline import capacity, membudget, metrics
-from pipeline.recipe import EngineSpec, RecipeError, load
+from pipeline.measure import capacity, membudget, metrics
+from pipeline.recipe.schema import EngineSpec, RecipeError, load
 from pipeline.results import KVCapacity, SystemsResult
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,7 +139,8 @@ def test_one_pool_rule_in_the_recipe(tmp_path):
 
 
 def test_validate_states_what_the_budget_leaves_once_the_reserve_is_known(tmp_path, monkeypatch):
-    from pipeline import preflight, provenance
+    from pipeline.run import preflight
+    from pipeline.store import provenance
     from pipeline.runstore import hash_obj, write_json
     from pipeline.stages import reserve
 

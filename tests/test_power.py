@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline import power, stats
+from pipeline.measure import power, stats
 
 
 def replicate(rng, n: int, flip_rate: float, drop: float) -> tuple[list[int], list[int]]:

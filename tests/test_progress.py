@@ -73,7 +73,7 @@ def test_a_step_without_a_count_still_says_it_is_alive(monkeypatch):
 
 
 def test_a_subprocess_step_shows_done_total_read_from_its_log(monkeypatch, tmp_path):
-    from pipeline.envs import log_counter
+    from pipeline.setup.envs import log_counter
 
     monkeypatch.delenv(progress.QUIET_ENV, raising=False)
     log = tmp_path / "sensitivity.log"

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import drift
+from pipeline.measure import drift
 from pipeline.engines.server import SERVED_NAME, Server
-from pipeline.recipe import EngineSpec, Recipe
+from pipeline.recipe.schema import EngineSpec, Recipe
 from tests import tinymodel
 
 pytestmark = pytest.mark.integration

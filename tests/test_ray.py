@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import envs
+from pipeline.setup import envs
 from tests import tinymodel
 
 pytestmark = pytest.mark.integration

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from pipeline import envs
+from pipeline.setup import envs
 from tests import tinymodel
 
 pytestmark = pytest.mark.integration

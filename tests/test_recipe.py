@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from pipeline import cli
-from pipeline.recipe import RecipeError, load
+from pipeline.recipe.schema import RecipeError, load
 
 ROOT = Path(__file__).resolve().parent.parent
 AWQ = ROOT / "recipes" / "awq.yaml"

@@ -67,8 +67,8 @@ def test_a_rerun_that_dies_leaves_no_earlier_verdict_behind(tmp_path, monkeypatc
 
     import yaml
 
-    from pipeline import runner
-    from pipeline.recipe import Recipe
+    from pipeline.run import runner
+    from pipeline.recipe.schema import Recipe
     from pipeline.runstore import write_json
     from pipeline.stages.signoff import signoff
     from reports.render import render_run
@@ -156,7 +156,7 @@ def test_a_recipe_resumes_only_its_own_folder(tmp_path):
     added) does."""
     import json
 
-    from pipeline import runner
+    from pipeline.run import runner
     from pipeline.runstore import write_json
     from tests import minirun
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import mixed
-from pipeline.recipe import RecipeError, load
-from pipeline.recipe_search import SearchSpec
-from pipeline.search import choose, first_guess, ladder, next_k
+from pipeline.search import mixed
+from pipeline.recipe.schema import RecipeError, load
+from pipeline.recipe.search_section import SearchSpec
+from pipeline.search.ladder import choose, first_guess, ladder, next_k
 from reports.render import render_run
 from tests import minirun
 
@@ -229,7 +229,7 @@ def test_report_leads_with_the_answer_not_the_candidates_verdict(tmp_path, answe
 
 
 def test_parts_rank_by_sensitivity_per_weight_and_overlaps_count_once():
-    from pipeline.search import kept_modules, ladder_length
+    from pipeline.search.ladder import kept_modules, ladder_length
     from pipeline.stages.sensitivity import linear_modules, ranked_parts
 
     def row(kind, part, modules, params, kl):
@@ -303,7 +303,7 @@ def test_curve_points_are_where_the_ranked_parts_hold_each_fraction_of_the_weigh
 
 
 def test_the_curve_guesses_k_calibrated_on_the_last_measured_candidate():
-    from pipeline.search import curve_guess
+    from pipeline.search.ladder import curve_guess
 
     sens = {"uniform": {"top1_agreement": 0.75},
             "curve": [{"k": 10, "top1_agreement": 0.80}, {"k": 20, "top1_agreement": 0.85},
@@ -353,7 +353,7 @@ def test_report_says_how_the_parts_were_ranked():
 def test_inside_the_bracket_the_curve_picks_where_the_boundary_is():
     """Between a failing and a passing candidate the curve (shifted to both measured ends) names the
     cheapest k it predicts to pass; the ladder builds it, and the boundary stays exact."""
-    from pipeline.search import bracket_guess
+    from pipeline.search.ladder import bracket_guess
 
     sens = {"uniform": {"top1_agreement": 0.78},
             "curve": [{"k": 50, "top1_agreement": 0.855}, {"k": 60, "top1_agreement": 0.865}]}

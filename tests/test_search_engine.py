@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import envs
+from pipeline.setup import envs
 from pipeline.stages.sensitivity import ranked_parts
 from tests import tinymodel
 
@@ -46,7 +46,9 @@ def sensitivity_of(model: Path, tmp: Path, scheme: str | None = None, **extra) -
     import yaml as yml
     from transformers import AutoTokenizer
 
-    from pipeline import assets, drift, suites
+    from pipeline.setup import assets
+    from pipeline.measure import drift
+    from pipeline import suites
     from pipeline.engines.quantize_worker import build_recipe
 
     tmp.mkdir(parents=True, exist_ok=True)

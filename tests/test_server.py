@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from pipeline.engines.server import EngineError, Server
-from pipeline.recipe import EngineSpec
+from pipeline.recipe.schema import EngineSpec
 
 
 def test_an_engine_that_died_is_blamed_with_its_own_error_line(tmp_path):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline.recipe import GateSpec
+from pipeline.recipe.schema import GateSpec
 from pipeline.results import GateOutcome, Measured
 from pipeline.stages.signoff import judge, signoff
 from tests.minirun import load_results, make_run, recipe
@@ -131,7 +131,7 @@ def test_a_fail_gate_unmeasured_for_another_reason_fails(tmp_path):
 
 
 def test_an_error_computing_a_gate_is_that_gates_error_not_a_crash(tmp_path, monkeypatch):
-    from pipeline import metrics
+    from pipeline.measure import metrics
 
     r = recipe([{"metric": "accuracy_delta", "op": ">=", "threshold": -0.05},
                 {"metric": "tpot_p50_ratio", "op": "<=", "threshold": 2.0}])
@@ -230,8 +230,8 @@ def test_every_gate_validate_accepts_signs_off_without_error(tmp_path):
     never an ERROR and never a crash; one validate refuses never reaches sign-off."""
     import yaml
 
-    from pipeline import metrics
-    from pipeline.recipe import RecipeError, load
+    from pipeline.measure import metrics
+    from pipeline.recipe.schema import RecipeError, load
 
     scopes = ["overall", "each_suite", "piqa", "siqa", "drift", "piqa/prompt_len=0-31 tok", "piqa/prompt_len=9 tok",
               "piqa/category=x"]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pipeline import stats
+from pipeline.measure import stats
 from pipeline.runstore import hash_obj
 
 
@@ -85,7 +85,7 @@ def test_goodput_and_cost():
 
 
 def test_roofline_arithmetic():
-    from pipeline.recipe import WorkloadSpec
+    from pipeline.recipe.schema import WorkloadSpec
     from pipeline.results import KVCapacity
     from pipeline.stages.systems import measure_bandwidth_gbps, roofline
 

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline import assets, drift, suites
-from pipeline.recipe import Recipe, RecipeError, load
+from pipeline.setup import assets
+from pipeline.measure import drift
+from pipeline import suites
+from pipeline.recipe.schema import Recipe, RecipeError, load
 
 U = suites.utils_module()
 
@@ -256,7 +258,7 @@ def test_drift_windows_from_the_end():
 
 
 def test_admission_counts_whole_sequences_and_the_null_block():
-    from pipeline.capacity import admitted
+    from pipeline.measure.capacity import admitted
 
     # 8 blocks of 128, one of them vLLM's null block (measured: tests/test_systems_engine.py)
     assert admitted(8, 128, 256) == 3 and admitted(8, 128, 128) == 7 and admitted(8, 128, 129) == 3

@@ -175,7 +175,7 @@ def test_this_kinds_fixture_is_what_the_engine_answered():
 
 
 def test_the_kind_is_named_by_its_features():
-    from pipeline.provenance import cpu_kind
+    from pipeline.store.provenance import cpu_kind
 
     avx512 = frozenset({"avx2", "avx512f", "avx512_vnni"})
     assert cpu_kind(frozenset({"avx2", "fma"})) == "cpu-avx2"

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.engines.server import Server
-from pipeline.prompts import PromptStream
-from pipeline.recipe import EngineSpec, WorkloadSpec
+from pipeline.measure.prompts import PromptStream
+from pipeline.recipe.schema import EngineSpec, WorkloadSpec
 from pipeline.stages.admission import admission_probe
 from pipeline.stages.systems import kv_capacity
 from tests import tinymodel

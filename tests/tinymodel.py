@@ -9,8 +9,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from pipeline import assets
-from pipeline.provenance import TOKENIZER_FILES
+from pipeline.setup import assets
+from pipeline.store.provenance import TOKENIZER_FILES
 
 
 def build(out: Path, seed: int = 0) -> Path:

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from pipeline import stats
+from pipeline.measure import stats
 
 
 @dataclass

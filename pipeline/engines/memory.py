@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from pipeline import envs
+from pipeline.setup import envs
 
 
 def vm_hwm(pid: int) -> int | None:

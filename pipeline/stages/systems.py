@@ -1,8 +1,8 @@
 """Systems of one variant on a running engine: latency cells, memory, KV capacity, roofline.
 
 The primary cell (the one gates read) and every cell of the workload matrix are driven at
-fixed concurrency over fresh prompts (pipeline/prompts.py); KV capacity is read from the
-engine and computed from the config (pipeline/capacity.py); the weights the engine holds are
+fixed concurrency over fresh prompts (pipeline/measure/prompts.py); KV capacity is read from the
+engine and computed from the config (pipeline/measure/capacity.py); the weights the engine holds are
 reported from inside it (engines/hooks/sitecustomize.py) and feed the decode roofline. The
 admission ramp, when the recipe asks for it, is handed in by the caller (stages/admission.py).
 """
@@ -14,19 +14,20 @@ import socket
 import time
 from pathlib import Path
 
-from pipeline import capacity, membudget, modelcfg, stats
+from pipeline.measure import capacity, membudget, stats
+from pipeline.setup import modelcfg
 from pipeline.engines import loadgen
 from pipeline.engines.server import SERVED_NAME, Server
 from pipeline.progress import Progress
-from pipeline.prompts import PromptStream
+from pipeline.measure.prompts import PromptStream
 from pipeline.results import CellResult, KVCapacity, Latency, Roofline, SystemsResult
 from pipeline.runstore import weight_bytes
 
 
 def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, workload, plan=None) -> KVCapacity:
     """KV capacity as the engine reports it (blocks x block size) beside the config arithmetic
-    (pipeline/capacity.py, cut as vLLM cuts the pool), and the sequences of the workload's shape it
-    admits at once; `plan` is how the pool was sized (pipeline/membudget.py)."""
+    (pipeline/measure/capacity.py, cut as vLLM cuts the pool), and the sequences of the workload's shape it
+    admits at once; `plan` is how the pool was sized (pipeline/measure/membudget.py)."""
     cfg = modelcfg.read(model_dir)
     tp = engine.tensor_parallel_size
     per_token = capacity.kv_bytes_per_token(cfg, kv_bytes_per_elem, tp)

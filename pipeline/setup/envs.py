@@ -7,8 +7,8 @@ requirements file and the interpreter, so changing a pin builds a new one and an
 unchanged one is reused at once.
 
 Standard library only: this runs under the system python3 before anything is installed.
-    python3 pipeline/envs.py engine      # prints the engine env's python, building it if needed
-    python3 pipeline/envs.py quantize
+    python3 pipeline/setup/envs.py engine      # prints the engine env's python, building it if needed
+    python3 pipeline/setup/envs.py quantize
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "requirements"
 READY = ".qe-ready"
 KINDS = ("engine", "quantize")
@@ -101,7 +101,7 @@ def ensure(kind: str) -> Path:
               f"Log: {logpath}", file=sys.stderr, flush=True)
         if target.exists():
             shutil.rmtree(target)  # a half-built env from an interrupted setup
-        from pipeline.installer import Installer
+        from pipeline.setup.installer import Installer
         from pipeline.progress import Heartbeat
 
         try:
@@ -142,7 +142,7 @@ def ensure_extra(name: str) -> None:
             return
         print(f"[setup] installing the optional {name} extra into {sys.prefix} (first use)", file=sys.stderr,
               flush=True)
-        from pipeline.installer import Installer
+        from pipeline.setup.installer import Installer
 
         logpath = Path(sys.prefix) / f".qe-extra-{name}.log"
         with open(logpath, "w") as log:

@@ -5,11 +5,11 @@
                 -> evaluate
     run:        sign-off -> results.json, signoff.json, report.html        stages/signoff.py
 
-A stage whose result file validates with a matching input hash (pipeline/keys.py) is not
+A stage whose result file validates with a matching input hash (pipeline/store/keys.py) is not
 rerun. A variant that fails records its error and the run goes on; the exit code says so at
 the end. The local executor runs the variants here one after another; the Ray executor
-(pipeline/ray_executor.py) runs the same `run_stage` in task processes. Either way the
-outcome of every variant is then read back from the run folder (pipeline/outcome.py).
+(pipeline/run/ray_executor.py) runs the same `run_stage` in task processes. Either way the
+outcome of every variant is then read back from the run folder (pipeline/store/outcome.py).
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline import assets, envs, keys, membudget, modelcfg, outcome, provenance, resultcache, schemes, support
+from pipeline.setup import assets, envs, modelcfg
+from pipeline.store import keys, outcome, provenance, resultcache
+from pipeline.measure import membudget
+from pipeline import schemes, support
 from pipeline.console import say
 from pipeline.engines.server import numerics_env
-from pipeline.outcome import Spent
-from pipeline.preflight import PreflightError, check_ray_address, preflight
-from pipeline.recipe import Recipe
+from pipeline.store.outcome import Spent
+from pipeline.run.preflight import PreflightError, check_ray_address, preflight
+from pipeline.recipe.schema import Recipe
 from pipeline.results import BudgetPlan, QualityResult, SystemsResult
 from pipeline.runstore import RunDir, RunLocked, hash_obj, open_run, read_result, run_lock, write_json
 from pipeline.stages import quantize as quantize_stage
@@ -69,7 +72,7 @@ def _reuse(vdir: Path, name: str, qh: str, sh: str, systems_skip: str | None):
 
 def pool_plan(ctx: RunContext, weights_dir: Path, extra_args: list[str], name: str,
               projected_from: Path | None = None) -> BudgetPlan:
-    """The KV pool one engine gets under the recipe's memory budget (pipeline/membudget.py); the
+    """The KV pool one engine gets under the recipe's memory budget (pipeline/measure/membudget.py); the
     runtime reserve is measured once per run. A pool that cannot hold one sequence fails here, before
     any engine starts."""
     gpu = envs.has_nvidia_gpu()
@@ -331,7 +334,7 @@ def _run(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
     ctx, manifest = start(recipe, recipe_path, fresh)
     check_base_fits(ctx, recipe_path)
     if recipe.executor.kind == "ray":
-        from pipeline import ray_executor
+        from pipeline.run import ray_executor
 
         timings = ray_executor.run_all(ctx, recipe_path)
     else:

@@ -207,7 +207,7 @@ def download(name: str, filename: str, sha256: str, dest: Path, tries: int = 3) 
     raise FetchError(f"{filename} not fetched: " + "; ".join(problems[-4:]))
 
 
-if __name__ == "__main__":  # python3 pipeline/pkgindex.py NAME FILENAME SHA256 DEST
+if __name__ == "__main__":  # python3 pipeline/setup/pkgindex.py NAME FILENAME SHA256 DEST
     if len(sys.argv) != 5:
         sys.exit(f"usage: python3 {sys.argv[0]} NAME FILENAME SHA256 DEST")
     tmp = Path(sys.argv[4] + ".part")

@@ -1,7 +1,7 @@
 """The `search:` section of a recipe: which mixed-precision variants `quantize-eval search` may build.
 
-Part of recipe schema v1 (pipeline/recipe.py holds it as Recipe.search). The gates the candidates
-must pass are the recipe's own gates; pipeline/search.py runs the search.
+Part of recipe schema v1 (pipeline/recipe/schema.py holds it as Recipe.search). The gates the candidates
+must pass are the recipe's own gates; pipeline/search/ladder.py runs the search.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline.recipe_serving import Strict
+from pipeline.recipe.serving import Strict
 
 BASE_SCHEMES = ("awq_w4a16", "gptq_w4a16", "rtn_w4a16")
 # what a part kept at higher precision becomes: 8-bit integer weights per channel (16-bit activations),

@@ -5,7 +5,7 @@ calibration data, quality suites, one serving workload, engine arguments shared 
 variant, and the sign-off gates. Unknown keys are rejected everywhere; cross-field rules
 live in model validators so `quantize-eval validate RECIPE` catches them without a run.
 Scheme and suite names are those of pipeline/schemes.py and pipeline/suitetable.py; reading
-the file and checking the files it points to is pipeline/recipe_files.py.
+the file and checking the files it points to is pipeline/recipe/files.py.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 
-from pipeline import metrics, schemes, suitetable
-from pipeline.recipe_files import RecipeError, check_import, check_llmc_recipe, check_model_dir, one_line, read_mapping
-from pipeline.recipe_files import check_checkpoint_dir as check_checkpoint_dir  # re-exported for callers
-from pipeline.recipe_search import SearchSpec, group_size_rule
-from pipeline.recipe_serving import DEFAULT_BUDGET_GIB as DEFAULT_BUDGET_GIB  # re-exported
-from pipeline.recipe_serving import CellSpec as CellSpec  # re-exported
-from pipeline.recipe_serving import EngineSpec, Strict, WorkloadSpec
+from pipeline.measure import metrics
+from pipeline import schemes, suitetable
+from pipeline.recipe.files import RecipeError, check_import, check_llmc_recipe, check_model_dir, one_line, read_mapping
+from pipeline.recipe.files import check_checkpoint_dir as check_checkpoint_dir  # re-exported for callers
+from pipeline.recipe.search_section import SearchSpec, group_size_rule
+from pipeline.recipe.serving import DEFAULT_BUDGET_GIB as DEFAULT_BUDGET_GIB  # re-exported
+from pipeline.recipe.serving import CellSpec as CellSpec  # re-exported
+from pipeline.recipe.serving import EngineSpec, Strict, WorkloadSpec
 from pipeline.schemes import W4_SCHEMES as W4_SCHEMES  # re-exported: the schemes that take a group_size
 
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
@@ -196,7 +197,7 @@ class QualitySpec(Strict):
 class GateSpec(Strict):
     """metric OP threshold, judged on the conservative end of the metric's CI if it has one."""
 
-    metric: str = Field(description="A metric name from pipeline/metrics.py.")
+    metric: str = Field(description="A metric name from pipeline/measure/metrics.py.")
     scope: str = Field(
         "overall", description="Quality metrics: overall, each_suite, or one suite's name.")
     op: Literal["<=", ">="] = Field(description="How the measured value must compare.")
@@ -352,7 +353,7 @@ def _check_suites(recipe: Recipe, p: Path) -> None:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise RecipeError(f"{p}: quality.suites: task name(s) {', '.join(dupes)} appear twice")
-    from pipeline.gatecheck import scope_problem
+    from pipeline.recipe.gatecheck import scope_problem
 
     for i, g in enumerate(recipe.gates):
         if problem := scope_problem(recipe, g.metric, g.scope, names):

@@ -14,7 +14,7 @@ The controlled part of the experiment is the memory an engine may use, not its K
     fixed    engine.kv_cache_gib: one KV pool for every variant ("same pool" experiments); weight
              savings then do not show as capacity, and the report says so.
 
-Predictions here are arithmetic on headers and config (pipeline/capacity.py); nothing starts an engine.
+Predictions here are arithmetic on headers and config (pipeline/measure/capacity.py); nothing starts an engine.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import json
 import struct
 from pathlib import Path
 
-from pipeline import capacity
+from pipeline.measure import capacity
 from pipeline.results import BudgetPlan, KVCapacity
 
 GIB = 2**30

@@ -3,7 +3,7 @@
 A recipe is read with duplicate keys refused (a second `variants:` must not silently win);
 the model directory, an imported checkpoint and a custom llm-compressor recipe it names are
 checked before anything runs. Every problem is a RecipeError of one line naming the field
-or file. pipeline/recipe.py holds the schema and `load`, which calls these.
+or file. pipeline/recipe/schema.py holds the schema and `load`, which calls these.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
                                        the rest at the base 4-bit scheme; k = 0 first (the
                                        uniform scheme), then a first guess from the sensitivity curve,
                                        then bisection between the largest failing and smallest passing k
-    each candidate                     a real llm-compressor checkpoint (pipeline/mixed.py), quantized,
+    each candidate                     a real llm-compressor checkpoint (pipeline/search/mixed.py), quantized,
                                        evaluated and signed off exactly as a `scheme: custom` variant
                                        (its checkpoint and results cached: widening the search reuses them)
     answer                             RUN/search/search.json, the report's search section, and
@@ -25,11 +25,15 @@ from pathlib import Path
 
 import yaml
 
-from pipeline import envs, keys, membudget, mixed, modelcfg, outcome, provenance, runner
+from pipeline.setup import envs, modelcfg
+from pipeline.store import keys, outcome, provenance
+from pipeline.measure import membudget
+from pipeline.search import mixed
+from pipeline.run import runner
 from pipeline.console import say
 from pipeline.engines.sensitivity_parts import kept_modules
-from pipeline.outcome import Spent
-from pipeline.recipe import Recipe, VariantSpec
+from pipeline.store.outcome import Spent
+from pipeline.recipe.schema import Recipe, VariantSpec
 from pipeline.runstore import atomic_write_text, hash_obj, run_lock, write_json
 from pipeline.stages import sensitivity
 

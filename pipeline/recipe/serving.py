@@ -1,8 +1,8 @@
 """The serving half of a recipe: the engine every variant shares and the workload it is driven with.
 
-Part of recipe schema v1 (pipeline/recipe.py composes these into a Recipe). EngineSpec is the
+Part of recipe schema v1 (pipeline/recipe/schema.py composes these into a Recipe). EngineSpec is the
 controlled experiment: identical for the baseline and every variant, including the memory budget
-that decides each engine's KV pool (pipeline/membudget.py).
+that decides each engine's KV pool (pipeline/measure/membudget.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class EngineSpec(Strict):
         None, gt=0, description="CPU: memory each engine's process tree may use, GiB (default "
         f"{DEFAULT_BUDGET_GIB:g} unless kv_cache_gib is set). Its KV pool is what the budget leaves after the "
         "weights as loaded and the runtime reserve measured once per run, so what quantization frees shows as "
-        "KV capacity (pipeline/membudget.py). On GPUs the budget is gpu_memory_utilization and vLLM sizes the pool.")
+        "KV capacity (pipeline/measure/membudget.py). On GPUs the budget is gpu_memory_utilization and vLLM sizes the pool.")
     kv_cache_gib: float | None = Field(
         None, gt=0, description="A fixed KV pool in GiB for every variant instead of a budget (--kv-cache-memory-"
         "bytes; 'same pool' experiments): weight savings then do not show as capacity.")

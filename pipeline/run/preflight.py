@@ -1,6 +1,6 @@
 """Checks made before any work starts that need the resolved model or the machine.
 
-The recipe schema (pipeline/recipe.py) checks what the recipe alone can tell; these need the
+The recipe schema (pipeline/recipe/schema.py) checks what the recipe alone can tell; these need the
 model's config, the disk, the data packages or the runs folder. Each failure is one line
 naming the field or file (exit 2), raised before an engine or a quantizer starts.
 """
@@ -11,8 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline import assets, envs, modelcfg
-from pipeline.recipe import Recipe
+from pipeline.setup import assets, envs, modelcfg
+from pipeline.recipe.schema import Recipe
 from pipeline.runstore import weight_bytes
 from pipeline.schemes import W4_SCHEMES
 
@@ -71,7 +71,8 @@ def check_search(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
 def _base_plan(recipe: Recipe, model_dir: Path):
     """The base model's pool plan under the recipe's budget, with the reserve this host measured before
     (or none yet); None when not in budget mode or the config lacks the attention shapes."""
-    from pipeline import membudget, provenance
+    from pipeline.measure import membudget
+    from pipeline.store import provenance
     from pipeline.stages import reserve as reserve_stage
 
     if membudget.mode(recipe.engine, envs.has_nvidia_gpu()) != "budget":
@@ -93,7 +94,7 @@ def _base_plan(recipe: Recipe, model_dir: Path):
 def check_budget(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
     """A memory budget that cannot hold the base model's weights as loaded, the runtime reserve (when
     this host measured it before; the first run measures it) and one max_model_len sequence."""
-    from pipeline import membudget
+    from pipeline.measure import membudget
 
     try:
         planned, known = _base_plan(recipe, model_dir)
@@ -193,8 +194,8 @@ def items_in_scope(recipe: Recipe, scope: str) -> int | None:
 
 
 def power_statements(recipe: Recipe) -> list[str]:
-    """Per non-inferiority quality gate, what it can certify at these item counts (pipeline/power.py)."""
-    from pipeline import power
+    """Per non-inferiority quality gate, what it can certify at these item counts (pipeline/measure/power.py)."""
+    from pipeline.measure import power
 
     out = []
     for i, g in enumerate(recipe.gates):

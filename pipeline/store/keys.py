@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import assets, envs, provenance, suites
+from pipeline.setup import assets, envs
+from pipeline.store import provenance
+from pipeline import suites
 from pipeline.runstore import hash_obj, sha256_file
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 QUANTIZE_WORKER = ROOT / "pipeline" / "engines" / "quantize_worker.py"
 DEQUANTIZE_WORKER = ROOT / "pipeline" / "engines" / "dequantize_worker.py"
 SCHEMES = ROOT / "pipeline" / "schemes.py"
@@ -24,7 +26,7 @@ QUANTIZE_KEY_VERSION = 1
 # 2: the KV pool's fields left out (they key systems only)
 QUALITY_KEY_VERSION = 2
 # 1: the admission probe is a concurrency ramp whose output is sized from the token budget
-# 2: the KV pool sized by a memory budget (pipeline/membudget.py)
+# 2: the KV pool sized by a memory budget (pipeline/measure/membudget.py)
 SYSTEMS_KEY_VERSION = 2
 
 # the code that measures, fingerprinted into each key: a fix to a measurement recomputes exactly the
@@ -32,10 +34,10 @@ SYSTEMS_KEY_VERSION = 2
 PIPELINE = ROOT / "pipeline"
 ENGINE_SIDE = (PIPELINE / "engines" / "server.py", PIPELINE / "engines" / "hooks" / "sitecustomize.py",
                PIPELINE / "engines" / "engine_guard.py")
-QUALITY_CODE = (PIPELINE / "stages" / "quality.py", PIPELINE / "suites.py", PIPELINE / "drift.py",
+QUALITY_CODE = (PIPELINE / "stages" / "quality.py", PIPELINE / "suites.py", PIPELINE / "measure" / "drift.py",
                 ROOT / "evalsuites" / "qe_utils.py", *ENGINE_SIDE)
-SYSTEMS_CODE = (PIPELINE / "stages" / "systems.py", PIPELINE / "stages" / "admission.py", PIPELINE / "prompts.py",
-                PIPELINE / "capacity.py", PIPELINE / "membudget.py", PIPELINE / "stages" / "reserve.py",
+SYSTEMS_CODE = (PIPELINE / "stages" / "systems.py", PIPELINE / "stages" / "admission.py", PIPELINE / "measure" / "prompts.py",
+                PIPELINE / "measure" / "capacity.py", PIPELINE / "measure" / "membudget.py", PIPELINE / "stages" / "reserve.py",
                 PIPELINE / "engines" / "loadgen.py", PIPELINE / "engines" / "memory.py", *ENGINE_SIDE)
 
 

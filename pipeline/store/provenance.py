@@ -14,7 +14,7 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline import envs
+from pipeline.setup import envs
 from pipeline.runstore import sha256_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -23,10 +23,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from pipeline import envs, outcome
+from pipeline.setup import envs
+from pipeline.store import outcome
 from pipeline.console import say
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class StageCrashed(RuntimeError):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipeline import modelcfg
+from pipeline.setup import modelcfg
 
 
 def kv_bytes_per_token(cfg: dict, bytes_per_elem: int, tp: int = 1) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pipeline import stats
+from pipeline.measure import stats
 from pipeline.results import Measured, PairedDrift, PairedSlice, QualityResult, SystemsResult
 
 NONE = Measured(value=None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from pipeline import assets
+from pipeline.setup import assets
 
 
 class PromptStream:

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from pipeline import envs
+from pipeline.setup import envs
 from pipeline.runstore import atomic_dir, read_result, write_json
 
 T = TypeVar("T", bound=BaseModel)

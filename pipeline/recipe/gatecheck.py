@@ -9,7 +9,8 @@ task YAML declares its slices only in its data, so those are checked at sign-off
 
 from __future__ import annotations
 
-from pipeline import metrics, suites, suitetable
+from pipeline.measure import metrics
+from pipeline import suites, suitetable
 
 
 def slice_values(recipe, suite: str, dim: str) -> set[str] | None:
@@ -22,7 +23,7 @@ def slice_values(recipe, suite: str, dim: str) -> set[str] | None:
     if suite == "needle" and dim == "depth":
         return {f"{int(d * 100)}%" for d in recipe.quality.needle.depths}
     if suite == "bigbench" and dim == "category":
-        from pipeline.assets import BIGBENCH_TASKS
+        from pipeline.setup.assets import BIGBENCH_TASKS
 
         return {t.split("/")[0] for t in BIGBENCH_TASKS}
     if suite == "bfcl" and dim == "category":
