@@ -11,7 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# CPU: the default model's measured reserve (~2.9 GiB) and float32 weights (0.5 GiB) leave a ~0.6 GiB pool
+# CPU: room for the default model's float32 weights, the engine's runtime reserve and a pool that holds the
+# default workload (the reserve as measured: docs/performance.md)
 DEFAULT_BUDGET_GIB = 4.0
 
 
