@@ -1,13 +1,52 @@
-"""The quantization schemes a variant can name, one row each: who produces the weights, in what format.
+"""The quantization schemes a variant can name, one row each: who produces the weights, in what format,
+with which llm-compressor modifiers.
 
 Standard library only: the recipe schema (pipeline/recipe/schema.py), the support matrix
-(pipeline/support.py), the engine command line and the quantize worker (which runs in the
-quantize environment, pipeline/engines/quantize_worker.py) all read this one table.
+(pipeline/support.py), the engine command line, the quantize worker (which runs in the quantize
+environment, pipeline/engines/quantize_worker.py) and the search's mixed candidates
+(pipeline/search/mixed.py) all read this one table. Adding a scheme is a row here and its tests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+
+def weight_args(bits: int, group_size: int | None, symmetric: bool) -> dict:
+    """compressed-tensors' weight arguments for integer weights in groups (None: per output channel)."""
+    w = {"num_bits": bits, "type": "int", "symmetric": symmetric, "dynamic": False}
+    if group_size is None:
+        w["strategy"] = "channel"
+    else:
+        w.update(strategy="group", group_size=group_size)
+    return w
+
+
+# per-tensor FP8 K/V scales observed on the calibration set (kv_cache: fp8_calibrated)
+KV_FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+# Each builder takes the quantization body (targets, ignore, and the weights' config groups or a preset
+# scheme, and calibrated KV scales) and the variant's settings, and returns llm-compressor's modifiers.
+def _awq(q: dict, settings: dict) -> dict:
+    # AWQ only rescales channels; the quantization modifier after it does the rounding
+    # (targets/ignore/scheme under AWQModifier itself are rejected in llm-compressor 0.14)
+    return {"AWQModifier": {"duo_scaling": True}, "QuantizationModifier": q}
+
+
+def _gptq(q: dict, settings: dict) -> dict:
+    return {"GPTQModifier": {**q, "dampening_frac": 0.01}}
+
+
+def _round(q: dict, settings: dict) -> dict:
+    return {"QuantizationModifier": q}
+
+
+def _smoothquant_gptq(q: dict, settings: dict) -> dict:
+    # SmoothQuant moves activation outliers into the weights, then GPTQ rounds INT8 per-channel weights;
+    # activations are quantized per token at run time (dynamic)
+    return {"SmoothQuantModifier": {"smoothing_strength": settings.get("smoothing_strength", 0.8)}, **_gptq(q, settings)}
 
 # who writes the weights a variant is served with
 PRODUCERS = (
@@ -32,11 +71,22 @@ class Scheme:
     symmetric: bool | None = None  # grouped integer weights: a grid symmetric around zero
     llmc_preset: str | None = None  # llm-compressor's preset scheme name, where the scheme is one
     engine_args: tuple[str, ...] = ()  # what it adds to the engine command line
+    modifiers: Callable[[dict, dict], dict] | None = None  # llm-compressor modifiers (llm-compressor producers)
 
     @property
     def offline(self) -> bool:
         """Is a checkpoint written (by llm-compressor or transformers) before the engine starts?"""
         return self.producer in ("llm-compressor", "transformers", "custom")
+
+    @property
+    def imports_checkpoint(self) -> bool:
+        """Are the weights an existing checkpoint (variant field checkpoint:), its format read from it?"""
+        return self.producer == "import"
+
+    @property
+    def user_recipe(self) -> bool:
+        """Are the weights written by the user's own llm-compressor recipe, the format known once written?"""
+        return self.producer == "custom"
 
     @property
     def calibrates_kv(self) -> bool:
@@ -45,24 +95,25 @@ class Scheme:
         return self.producer in ("llm-compressor", "none")
 
 
-def _w4(name: str, symmetric: bool, description: str) -> Scheme:
-    return Scheme(name, "llm-compressor", 4, True, "wna16", description, symmetric=symmetric)
+def _w4(name: str, symmetric: bool, description: str, modifiers) -> Scheme:
+    return Scheme(name, "llm-compressor", 4, True, "wna16", description, symmetric=symmetric, modifiers=modifiers)
 
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
-    _w4("awq_w4a16", False, "4-bit weights, asymmetric, AWQ channel rescaling then rounding (llm-compressor)"),
-    _w4("gptq_w4a16", True, "4-bit weights, symmetric, GPTQ error-compensating rounding (llm-compressor)"),
-    _w4("rtn_w4a16", True, "4-bit weights, symmetric, rounded to nearest (llm-compressor)"),
+    _w4("awq_w4a16", False, "4-bit weights, asymmetric, AWQ channel rescaling then rounding (llm-compressor)", _awq),
+    _w4("gptq_w4a16", True, "4-bit weights, symmetric, GPTQ error-compensating rounding (llm-compressor)", _gptq),
+    _w4("rtn_w4a16", True, "4-bit weights, symmetric, rounded to nearest (llm-compressor)", _round),
     Scheme("w8a8_int8", "llm-compressor", 8, False, "w8a8_int8", "SmoothQuant + GPTQ INT8 weights, dynamic "
-           "per-token INT8 activations (llm-compressor)", llmc_preset="W8A8"),
+           "per-token INT8 activations (llm-compressor)", llmc_preset="W8A8", modifiers=_smoothquant_gptq),
     Scheme("fp8_block", "llm-compressor", 8, False, "fp8_block", "FP8 weights in 128x128 blocks, dynamic FP8 "
-           "activations per 128-group (llm-compressor)", llmc_preset="FP8_BLOCK"),
+           "activations per 128-group (llm-compressor)", llmc_preset="FP8_BLOCK", modifiers=_round),
     Scheme("fp8_dynamic", "llm-compressor", 8, False, "fp8_channel", "FP8 per-channel weights, dynamic "
-           "per-token activations (llm-compressor)", llmc_preset="FP8_DYNAMIC"),
+           "per-token activations (llm-compressor)", llmc_preset="FP8_DYNAMIC", modifiers=_round),
     Scheme("bnb_nf4", "vllm", 4, False, "bnb", "bitsandbytes NF4, quantized by vLLM at load",
            engine_args=("--quantization", "bitsandbytes")),
     Scheme("bnb_int8", "transformers", 8, False, "bnb", "bitsandbytes LLM.int8 (pre-quantized by transformers)"),
-    Scheme("none", "none", None, False, "dense", "weights as the baseline (for KV-cache-only variants)"),
+    Scheme("none", "none", None, False, "dense", "weights as the baseline (for KV-cache-only variants)",
+           modifiers=_round),  # calibrated FP8 K/V scales alone
     Scheme("import", "import", None, False, None, "an existing checkpoint (checkpoint:)"),
     Scheme("custom", "custom", None, False, None, "your own llm-compressor recipe file (recipe:)"),
 )}
@@ -80,3 +131,22 @@ def describe() -> str:
 def engine_args(name: str) -> list[str]:
     """What a scheme adds to the engine command line (bnb_nf4: vLLM quantizes as it loads)."""
     return list(SCHEMES[name].engine_args)
+
+
+def llmc_recipe(name: str, ignore: list[str], group_size: int | None = None, kv_cache: str = "auto",
+                smoothing_strength: float = 0.8) -> dict:
+    """The llm-compressor recipe for a scheme, as the YAML mapping oneshot reads. kv_cache "fp8_calibrated"
+    adds per-tensor FP8 K/V scales observed on the calibration set to the last quantization modifier
+    (alone when the scheme is "none")."""
+    s = SCHEMES.get(name)
+    kv = {"kv_cache_scheme": KV_FP8} if kv_cache == "fp8_calibrated" else {}
+    if s is None or s.modifiers is None or (s.producer == "none" and not kv):
+        raise ValueError(f"scheme {name!r} (kv_cache={kv_cache!r}) has no llm-compressor recipe")
+    if s.producer == "none":
+        q = dict(kv)
+    elif s.takes_group_size:
+        q = {"targets": ["Linear"], "ignore": list(ignore), "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": weight_args(s.weight_bits, group_size, s.symmetric)}}, **kv}
+    else:
+        q = {"targets": ["Linear"], "ignore": list(ignore), "scheme": s.llmc_preset, **kv}
+    return {"quant_stage": {"quant_modifiers": s.modifiers(q, {"smoothing_strength": smoothing_strength})}}

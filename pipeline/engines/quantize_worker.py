@@ -25,51 +25,13 @@ from pathlib import Path
 from pipeline import schemes
 
 
-def weight_args(bits: int, group_size: int | None, symmetric: bool) -> dict:
-    w = {"num_bits": bits, "type": "int", "symmetric": symmetric, "dynamic": False}
-    if group_size is None:
-        w["strategy"] = "channel"
-    else:
-        w.update(strategy="group", group_size=group_size)
-    return w
-
-
-KV_FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
-
-
 def build_recipe(spec: dict) -> dict:
-    """The llm-compressor recipe for a scheme, as the YAML mapping oneshot reads.
-
-    kv_cache == "fp8_calibrated" adds per-tensor FP8 K/V scales observed on the calibration
-    set to the last quantization modifier (alone when the scheme is "none")."""
-    name, ignore = spec["scheme"], list(spec["ignore"])
-    s = schemes.SCHEMES.get(name)
-    kv = {"kv_cache_scheme": KV_FP8} if spec.get("kv_cache") == "fp8_calibrated" else {}
-    base = {"targets": ["Linear"], "ignore": ignore}
-    if s is not None and s.takes_group_size:
-        group = {"group_0": {"targets": ["Linear"],
-                             "weights": weight_args(s.weight_bits, spec["group_size"], s.symmetric)}}
-        quant = {**base, "config_groups": group, **kv}
-    if name == "awq_w4a16":
-        # AWQ only rescales channels; the quantization modifier after it does the rounding
-        # (targets/ignore/scheme under AWQModifier itself are rejected in 0.14).
-        mods = {"AWQModifier": {"duo_scaling": True}, "QuantizationModifier": quant}
-    elif name == "gptq_w4a16":
-        mods = {"GPTQModifier": {**quant, "dampening_frac": 0.01}}
-    elif name == "rtn_w4a16":
-        mods = {"QuantizationModifier": quant}
-    elif name == "w8a8_int8":
-        # SmoothQuant moves activation outliers into the weights, then GPTQ rounds INT8
-        # per-channel weights; activations are quantized per token at run time (dynamic).
-        mods = {"SmoothQuantModifier": {"smoothing_strength": spec.get("smoothing_strength", 0.8)},
-                "GPTQModifier": {**base, "scheme": s.llmc_preset, "dampening_frac": 0.01, **kv}}
-    elif name in ("fp8_block", "fp8_dynamic"):
-        mods = {"QuantizationModifier": {**base, "scheme": s.llmc_preset, **kv}}
-    elif name == "none" and kv:
-        mods = {"QuantizationModifier": {**kv}}
-    else:
-        raise SystemExit(f"quantize_worker: unknown scheme {name!r} (kv_cache={spec.get('kv_cache')!r})")
-    return {"quant_stage": {"quant_modifiers": mods}}
+    """The llm-compressor recipe of a worker spec (the scheme table builds it: pipeline/schemes.py)."""
+    try:
+        return schemes.llmc_recipe(spec["scheme"], spec["ignore"], spec.get("group_size"), spec.get("kv_cache", "auto"),
+                                   spec.get("smoothing_strength", 0.8))
+    except ValueError as exc:
+        raise SystemExit(f"quantize_worker: {exc}") from None
 
 
 def calibration_dataset(spec: dict, tokenizer):

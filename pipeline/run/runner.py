@@ -138,12 +138,13 @@ def engine_extra_args(v, weights_dir: Path, model_dir: Path) -> list[str]:
 def variant_format(v, checkpoint: Path | None = None) -> support.Format | None:
     """What the engine will be asked to run; None for a custom recipe until its checkpoint exists
     (and for an example import before it is written)."""
-    if v.scheme == "import":
+    scheme = schemes.SCHEMES[v.scheme]
+    if scheme.imports_checkpoint:
         if checkpoint is None:
             return None
         fmt = support.checkpoint_format(modelcfg.read(checkpoint))
         return support.Format(fmt.weights, fmt.kv_fp8 or v.kv_cache != "auto", fmt.detail)
-    if v.scheme == "custom":
+    if scheme.user_recipe:
         return None
     return support.scheme_format(v.scheme, v.kv_cache)
 
@@ -162,7 +163,8 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
     """Support decision -> weights (quantized, imported, or the base for load-time schemes) ->
     evaluation; a variant this engine cannot run ends SKIPPED before anything is spent on it."""
     model_cfg = modelcfg.read(ctx.model_dir)
-    imported = quantize_stage.checkpoint_of(v, ctx.model_dir, ctx.model_id) if v.scheme == "import" else None
+    scheme = schemes.SCHEMES[v.scheme]
+    imported = quantize_stage.checkpoint_of(v, ctx.model_dir, ctx.model_id) if scheme.imports_checkpoint else None
     fmt = variant_format(v, imported)
     decision = _judge(v, vdir, fmt, model_cfg, ctx.dtype) if fmt else None
     if decision and decision.mode == "unsupported":
@@ -175,7 +177,7 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
                                      also_dense=bool(decision and decision.mode == "emulated"))
     if stop_after == "quantize":  # the ray executor runs evaluation as its own task
         return
-    if v.scheme == "custom":
+    if scheme.user_recipe:
         fmt = support.checkpoint_format(modelcfg.read(Path(qr.checkpoint_dir)))
         decision = _judge(v, vdir, fmt, model_cfg, ctx.dtype)
         if decision.mode == "unsupported":
@@ -203,9 +205,10 @@ def support_table(recipe: Recipe) -> list[tuple[str, support.Decision]]:
     dtype = provenance.resolve_dtype(recipe.engine.dtype)
     rows = []
     for v in recipe.variants:
-        example = v.scheme == "import" and v.checkpoint.startswith("example:")
+        imports = schemes.SCHEMES[v.scheme].imports_checkpoint
+        example = imports and v.checkpoint.startswith("example:")
         fmt = support.Format("wna16", v.kv_cache != "auto", "example RTN 4-bit") if example else variant_format(
-            v, Path(v.checkpoint) if v.scheme == "import" else None)
+            v, Path(v.checkpoint) if imports else None)
         rows.append((v.name, support.decide(fmt, model_cfg, dtype=dtype, activations=v.activations) if fmt else support.Decision(
             "unknown", support.capabilities()["platform_name"], "decided after your recipe writes its checkpoint")))
     return rows

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from pipeline import schemes
-from pipeline.engines.quantize_worker import weight_args
+from pipeline.schemes import weight_args
 
 
 def names_regex(names: list[str]) -> str:
@@ -36,16 +36,9 @@ def candidate_recipe(base_scheme: str, group_size: int | None, fallback: str, qu
         skip += sorted(kept)
     elif kept:
         raise ValueError(f"unknown fallback {fallback!r}")
-    quant = {"ignore": skip, "config_groups": groups}
-    if base_scheme == "awq_w4a16":  # AWQ rescales channels; the quantization modifier does the rounding
-        mods = {"AWQModifier": {"duo_scaling": True}, "QuantizationModifier": quant}
-    elif base_scheme == "gptq_w4a16":
-        mods = {"GPTQModifier": {**quant, "dampening_frac": 0.01}}
-    elif base_scheme == "rtn_w4a16":
-        mods = {"QuantizationModifier": quant}
-    else:
+    if not s.takes_group_size or s.modifiers is None:
         raise ValueError(f"{base_scheme!r} is not a 4-bit base scheme")
-    return {"quant_stage": {"quant_modifiers": mods}}
+    return {"quant_stage": {"quant_modifiers": s.modifiers({"ignore": skip, "config_groups": groups}, {})}}
 
 
 def describe_parts(parts: list[str]) -> str:
