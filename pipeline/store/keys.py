@@ -71,12 +71,12 @@ def dense_key(quantize_key_: str) -> str:
 
 
 def _common(recipe, weights_hash: str, dtype: str, extra_args: list[str], numerics: dict | None) -> dict:
-    from pipeline.engines.server import NUMERICS_ENV, engine_placement  # may run nvidia-smi: only when keys are made
+    from pipeline.engines.server import engine_placement, numerics_env  # may run nvidia-smi: only when keys are made
 
     engine = recipe.engine.model_dump(exclude={"startup_timeout_s", *POOL_FIELDS})
     engine["variant_args"] = [a for a in extra_args if not a.startswith("/")]  # paths differ per machine
     engine["placement"] = engine_placement()
-    engine["numerics_env"] = dict(sorted((numerics if numerics is not None else NUMERICS_ENV).items()))
+    engine["numerics_env"] = numerics if numerics is not None else numerics_env()
     return {"weights": weights_hash, "engine": engine, "dtype": dtype,
             "engine_env": envs.requirements_file("engine").read_text(), "hardware": provenance.hardware()}
 
@@ -104,7 +104,7 @@ def evaluate_keys(recipe, weights_hash: str, dtype: str, extra_args: list[str], 
     """(quality key, systems key) of one set of weights served with these engine arguments. The KV pool
     (the budget, a fixed size, and the pool the plan gives this engine) keys systems only: answers do not
     depend on the pool's size, capacity and memory do. numerics: the engine environment that changes what
-    it computes (pipeline/engines/server.py NUMERICS_ENV; None: the default every engine gets)."""
+    it computes (pipeline/engines/server.py numerics_env; None: the default every engine gets)."""
     common = _common(recipe, weights_hash, dtype, extra_args, numerics)
     pool = recipe.engine.model_dump(include=set(POOL_FIELDS))
     pool["plan"] = plan.model_dump(include={"mode", "budget_bytes", "reserve_bytes", "pool_bytes", "projected"}) \
