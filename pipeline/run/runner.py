@@ -34,6 +34,7 @@ from pipeline.results import BudgetPlan, QualityResult, SystemsResult
 from pipeline.runstore import RunDir, RunLocked, hash_obj, open_run, read_result, run_lock, write_json
 from pipeline.stages import quantize as quantize_stage
 from pipeline.stages import reserve as reserve_stage
+from pipeline.stages.evaluate import ServeJob
 
 __all__ = ["PreflightError", "RunLocked", "run", "run_stage", "stage_main", "support_table"]
 
@@ -89,36 +90,28 @@ def pool_plan(ctx: RunContext, weights_dir: Path, extra_args: list[str], name: s
     return p
 
 
-def evaluate_variant(ctx: RunContext, name: str, model_dir: Path, weights_hash: str, spent: Spent,
-                     systems_skip: str | None = None, checkpoint_bytes: int | None = None,
-                     extra_args: list[str] | None = None, plan: BudgetPlan | None = None,
-                     projected: BudgetPlan | None = None, numerics: dict | None = None) -> None:
-    """Quality and systems for one set of weights; systems_skip records why systems are not measured;
-    extra_args are the engine options this variant changes on purpose (e.g. an FP8 KV cache); plan is
-    the KV pool its engine is started with under the memory budget; projected is the capacity recorded
-    instead when systems are skipped (weights served dense, no native kernel here); numerics is the engine
-    environment its compute path needs (server.numerics_env; None: the default, W4A8 off)."""
-    from pipeline.stages.evaluate import evaluate
+def evaluate_variant(ctx: RunContext, job: ServeJob, spent: Spent) -> None:
+    """Quality and systems for one set of weights (a stages.evaluate.ServeJob), each reused where it was
+    measured before with identical inputs; a skipped systems stage is recorded with its reason."""
+    from pipeline.stages.evaluate import Needs, evaluate
 
-    recipe, dtype, run = ctx.recipe, ctx.dtype, ctx.run_dir
+    recipe, dtype, run, name = ctx.recipe, ctx.dtype, ctx.run_dir, job.name
     vdir = run.variant(name)
-    extra_args = list(extra_args or [])
-    qh, sh = keys.evaluate_keys(recipe, weights_hash, dtype, extra_args, projected or plan, numerics)
-    q, s = _reuse(vdir, name, qh, sh, systems_skip)
-    if systems_skip and s is None:
+    qh, sh = keys.evaluate_keys(recipe, job.weights_hash, dtype, job.extra_args, job.projected or job.plan, job.numerics)
+    q, s = _reuse(vdir, name, qh, sh, job.systems_skip)
+    if job.systems_skip and s is None:
         s = SystemsResult(variant=name, input_hash=sh, status="skipped", duration_s=0.0,
-                          error=systems_skip, checkpoint_bytes=checkpoint_bytes,
-                          kv=membudget.projected_capacity(projected) if projected else None)
+                          error=job.systems_skip, checkpoint_bytes=job.checkpoint_bytes,
+                          kv=membudget.projected_capacity(job.projected) if job.projected else None)
         write_json(vdir / "systems.json", s)
-        say(name, f"systems: not measured ({systems_skip})")
+        say(name, f"systems: not measured ({job.systems_skip})")
     if q and s:
         say(name, "evaluate: done earlier")
         return
     say(name, "evaluate: starting engine (" + ", ".join(
         x for x, need in (("quality", q is None), ("systems", s is None)) if need) + ")")
-    q2, s2 = evaluate(model_dir, recipe, name, vdir, dtype, None if q else qh, None if s else sh,
-                      run.root / "tasks", log=lambda m: say(name, m), extra_args=extra_args, spent=spent, plan=plan,
-                      numerics=numerics)
+    needs = Needs(None if q else qh, None if s else sh, vdir, run.root / "tasks")
+    q2, s2 = evaluate(job, recipe, dtype, needs, log=lambda m: say(name, m), spent=spent)
     for stage, r in (("quality", q2), ("systems", s2)):
         if r is not None:
             resultcache.store(stage, r, vdir, run.root)
@@ -188,14 +181,15 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
     if decision.mode == "emulated":
         say(v.name, f"engine support: {decision.reason}")
         dense = quantize_stage.dense_copy(qr, vdir, spent)
-        evaluate_variant(ctx, v.name, dense, keys.dense_key(qr.input_hash), spent, systems_skip=decision.reason,
-                         checkpoint_bytes=qr.checkpoint_bytes, extra_args=extra, numerics=numerics,
-                         plan=pool_plan(ctx, dense, extra, v.name),  # the dense weights' pool, for quality
-                         projected=pool_plan(ctx, dense, extra, v.name, projected_from=weights_dir))
+        evaluate_variant(ctx, ServeJob(
+            v.name, dense, keys.dense_key(qr.input_hash), extra, numerics, systems_skip=decision.reason,
+            checkpoint_bytes=qr.checkpoint_bytes,
+            plan=pool_plan(ctx, dense, extra, v.name),  # the dense weights' pool, for quality
+            projected=pool_plan(ctx, dense, extra, v.name, projected_from=weights_dir)), spent)
     else:
-        evaluate_variant(ctx, v.name, weights_dir, qr.input_hash if qr else ctx.model_id, spent, extra_args=extra,
-                         checkpoint_bytes=qr.checkpoint_bytes if qr else None, numerics=numerics,
-                         plan=pool_plan(ctx, weights_dir, extra, v.name))
+        evaluate_variant(ctx, ServeJob(
+            v.name, weights_dir, qr.input_hash if qr else ctx.model_id, extra, numerics,
+            checkpoint_bytes=qr.checkpoint_bytes if qr else None, plan=pool_plan(ctx, weights_dir, extra, v.name)), spent)
 
 
 def support_table(recipe: Recipe) -> list[tuple[str, support.Decision]]:
@@ -230,7 +224,8 @@ def run_stage(ctx: RunContext, name: str, stop_after: str | None = None, stage: 
     vdir.mkdir(parents=True, exist_ok=True)
     try:
         if name == "baseline":
-            evaluate_variant(ctx, name, ctx.model_dir, ctx.model_id, spent, plan=pool_plan(ctx, ctx.model_dir, [], name))
+            evaluate_variant(ctx, ServeJob(name, ctx.model_dir, ctx.model_id,
+                                           plan=pool_plan(ctx, ctx.model_dir, [], name)), spent)
         else:
             v = next(x for x in ctx.recipe.variants if x.name == name)
             run_variant(ctx, v, vdir, spent, stop_after=stop_after)

@@ -12,13 +12,29 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.store import provenance
 from pipeline.engines.server import Server
-from pipeline.results import QualityResult, SystemsResult
+from pipeline.results import BudgetPlan, QualityResult, SystemsResult
 from pipeline.runstore import write_json
 from pipeline.stages import admission, quality, systems
+
+
+@dataclass
+class ServeJob:
+    """One engine's work for a variant (or the baseline): the weights it serves and all that differs from
+    the engine settings every variant shares."""
+    name: str
+    weights: Path  # the folder the engine loads
+    weights_hash: str  # what keys its results
+    extra_args: list[str] = field(default_factory=list)  # engine options this variant changes on purpose
+    numerics: dict | None = None  # the engine environment its compute path needs (None: the default)
+    plan: BudgetPlan | None = None  # the KV pool its engine is started with under the memory budget
+    projected: BudgetPlan | None = None  # the capacity recorded instead when systems are skipped
+    systems_skip: str | None = None  # why systems are not measured (weights served dense here)
+    checkpoint_bytes: int | None = None
 
 
 def logprob_args(recipe) -> list[str]:
@@ -27,18 +43,21 @@ def logprob_args(recipe) -> list[str]:
     return ["--max-logprobs", str(k)] if "drift" in recipe.quality.suites and k > 20 else []
 
 
-def evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str,
-             need_quality: str | None, need_systems: str | None, tasks_dir: Path,
-             log=print, extra_args: list[str] | None = None,
-             spent=None, plan=None, numerics: dict | None = None) -> tuple[QualityResult | None, SystemsResult | None]:
-    """Start one engine; run whichever of quality/systems are missing (their input hashes).
-    `spent` (an outcome.Spent) is charged the engine start and the engine's busy seconds; `plan`
-    (a results.BudgetPlan) is the KV pool it is started with; `numerics` the engine environment that changes
-    what it computes (server.numerics_env)."""
-    extra_args = list(extra_args or []) + logprob_args(recipe)
-    with one_measuring_engine_per_host(bool(need_systems), log):
-        return _evaluate(model_dir, recipe, variant, vdir, dtype, need_quality, need_systems, tasks_dir, log,
-                         extra_args, spent, plan, numerics)
+@dataclass
+class Needs:
+    """What one engine start must measure (the input hashes of the missing results), and where."""
+    quality: str | None
+    systems: str | None
+    vdir: Path
+    tasks_dir: Path
+
+
+def evaluate(job: ServeJob, recipe, dtype: str, needs: Needs, log=print,
+             spent=None) -> tuple[QualityResult | None, SystemsResult | None]:
+    """Start one engine; run whichever of quality/systems are missing. `spent` (an outcome.Spent) is
+    charged the engine start and the engine's busy seconds."""
+    with one_measuring_engine_per_host(bool(needs.systems), log):
+        return _evaluate(job, recipe, dtype, needs, log, spent)
 
 
 @contextlib.contextmanager
@@ -60,12 +79,14 @@ def one_measuring_engine_per_host(measuring: bool, log):
         yield
 
 
-def _evaluate(model_dir: Path, recipe, variant: str, vdir: Path, dtype: str, need_quality: str | None,
-              need_systems: str | None, tasks_dir: Path, log, extra_args: list[str], spent, plan, numerics):
+def _evaluate(job: ServeJob, recipe, dtype: str, needs: Needs, log, spent):
     q = s = None
+    model_dir, variant, vdir, plan = job.weights, job.name, needs.vdir, job.plan
+    need_quality, need_systems, tasks_dir = needs.quality, needs.systems, needs.tasks_dir
+    extra_args = list(job.extra_args) + logprob_args(recipe)
     act_bytes, kv_bytes = provenance.dtype_bytes(dtype), provenance.kv_elem_bytes(dtype, extra_args)
     server = Server(model_dir, recipe.engine, dtype, vdir / "engine.log", recipe.model.trust_remote_code, extra_args,
-                    kv_pool_bytes=plan.pool_bytes if plan is not None else None, numerics=numerics)
+                    kv_pool_bytes=plan.pool_bytes if plan is not None else None, numerics=job.numerics)
     if spent is not None:
         spent.engine_starts += 1  # counted whether it then serves or fails
     try:
