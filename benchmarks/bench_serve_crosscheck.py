@@ -27,13 +27,13 @@ reexec_under_engine_env(__file__)
 
 sys.path.insert(0, str(ROOT))
 
-from pipeline.store import provenance  # noqa: E402
-from pipeline.run import runner
-from pipeline.measure import stats
-from pipeline.recipe import schema as recipe_mod  # noqa: E402
 from pipeline.engines import loadgen  # noqa: E402
 from pipeline.engines.server import SERVED_NAME, Server  # noqa: E402
+from pipeline.measure import stats  # noqa: E402
 from pipeline.measure.prompts import latency_prompts  # noqa: E402  (same prompts as the pipeline)
+from pipeline.recipe import schema as recipe_mod  # noqa: E402
+from pipeline.run import runner  # noqa: E402
+from pipeline.store import provenance  # noqa: E402
 
 # `vllm bench serve` through the CLI entry point dies with SIGILL on AVX2-only CPUs (the CLI
 # imports the AVX512 build of vllm._C) and looks up a distribution named "vllm", which

@@ -36,9 +36,9 @@ def reserve_spread(n: int) -> None:
     import tempfile
 
     sys.path.insert(0, str(ROOT))
-    from pipeline.setup import envs
-    from pipeline.run import runner
     from pipeline.recipe.schema import load
+    from pipeline.run import runner
+    from pipeline.setup import envs
     from pipeline.stages import reserve
 
     python = str(envs.ensure("engine"))

@@ -24,13 +24,13 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-    from pipeline.setup import envs
-    from pipeline.store import keys, provenance
-    from pipeline.run import runner
     from pipeline.recipe import schema as recipe_mod
-    from pipeline.store.outcome import Spent
+    from pipeline.run import runner
     from pipeline.runstore import hash_obj
+    from pipeline.setup import envs
     from pipeline.stages import quantize as quantize_stage
+    from pipeline.store import keys, provenance
+    from pipeline.store.outcome import Spent
 
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     cold = "--cold" in sys.argv

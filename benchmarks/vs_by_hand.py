@@ -41,11 +41,11 @@ from benchmarks.engine_env import reexec_under_engine_env  # noqa: E402
 
 reexec_under_engine_env(__file__)
 
-from pipeline.setup import assets, envs  # noqa: E402
-from pipeline.store import provenance
-from pipeline import suites
+from pipeline import suites  # noqa: E402
 from pipeline.engines.quantize_worker import build_recipe  # noqa: E402
 from pipeline.engines.server import free_port  # noqa: E402
+from pipeline.setup import assets, envs  # noqa: E402
+from pipeline.store import provenance  # noqa: E402
 
 QUANTIZE_SCRIPT = """import json, sys
 from datasets import Dataset

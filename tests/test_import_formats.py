@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.setup import envs
-from pipeline.store import legacy_formats
 from pipeline import support
-from pipeline.store.checkpoints import facts
 from pipeline.recipe.schema import RecipeError, check_checkpoint_dir
 from pipeline.runstore import weight_bytes
+from pipeline.setup import envs
+from pipeline.store import legacy_formats
+from pipeline.store.checkpoints import facts
 from tests import tinymodel
 
 pytestmark = pytest.mark.integration

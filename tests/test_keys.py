@@ -58,9 +58,9 @@ def test_the_engine_environment_that_changes_numerics_keys_every_result():
 def test_a_vllm_variable_in_the_users_shell_keys_the_results(monkeypatch):
     """VLLM_CPU_ATTN_SPLIT_KV=0 reorders attention sums: a result measured with it is another result, and
     provenance shows it; the variables the pipeline sets itself are not the user's."""
-    from pipeline.engines.server import numerics_env
-
     import os
+
+    from pipeline.engines.server import numerics_env
 
     for k in [k for k in os.environ if k.startswith("VLLM_")]:
         monkeypatch.delenv(k)

@@ -140,9 +140,9 @@ def test_one_pool_rule_in_the_recipe(tmp_path):
 
 def test_validate_states_what_the_budget_leaves_once_the_reserve_is_known(tmp_path, monkeypatch):
     from pipeline.run import preflight
-    from pipeline.store import provenance
     from pipeline.runstore import hash_obj, write_json
     from pipeline.stages import reserve
+    from pipeline.store import provenance
 
     monkeypatch.setenv("QUANTIZE_EVAL_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("QUANTIZE_EVAL_DEVICE", "cpu")

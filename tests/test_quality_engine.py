@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.measure import drift
 from pipeline.engines.server import SERVED_NAME, Server
+from pipeline.measure import drift
 from pipeline.recipe.schema import EngineSpec, Recipe
 from tests import tinymodel
 

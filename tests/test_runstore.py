@@ -67,8 +67,8 @@ def test_a_rerun_that_dies_leaves_no_earlier_verdict_behind(tmp_path, monkeypatc
 
     import yaml
 
-    from pipeline.run import runner
     from pipeline.recipe.schema import Recipe
+    from pipeline.run import runner
     from pipeline.runstore import write_json
     from pipeline.stages.signoff import signoff
     from reports.render import render_run

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.setup import assets, envs
 from pipeline import support
-from pipeline.store.checkpoints import tensor_table
 from pipeline.engines.server import NUMERICS_ENV
+from pipeline.setup import assets, envs
+from pipeline.store.checkpoints import tensor_table
 from tests import tinymodel
 from tests.engine_load import selected_kernels
 
@@ -248,8 +248,8 @@ def test_support_probe_is_the_engines_word():
         import torch  # noqa: F401  (the probe's verdicts must match what this process sees)
         import vllm._custom_ops  # noqa: F401
 
-        from pipeline.store import provenance
         from pipeline.engines import support_probe as p
+        from pipeline.store import provenance
 
         assert caps["ops"]["cpu_gemm_wna16"] == hasattr(torch.ops._C, "cpu_gemm_wna16")
         assert caps["cpu"]["amx_tile"] == (provenance.cpu_kind() == "cpu-avx512-amx")  # the kind is named right

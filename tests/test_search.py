@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.search import mixed
 from pipeline.recipe.schema import RecipeError, load
 from pipeline.recipe.search_section import SearchSpec
+from pipeline.search import mixed
 from pipeline.search.ladder import choose, first_guess, ladder, next_k
 from reports.render import render_run
 from tests import minirun

@@ -46,10 +46,10 @@ def sensitivity_of(model: Path, tmp: Path, scheme: str | None = None, **extra) -
     import yaml as yml
     from transformers import AutoTokenizer
 
-    from pipeline.setup import assets
-    from pipeline.measure import drift
     from pipeline import suites
     from pipeline.engines.quantize_worker import build_recipe
+    from pipeline.measure import drift
+    from pipeline.setup import assets
 
     tmp.mkdir(parents=True, exist_ok=True)
     ids = suites.essay_ids(AutoTokenizer.from_pretrained(model))

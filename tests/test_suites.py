@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline.setup import assets
-from pipeline.measure import drift
 from pipeline import suites
+from pipeline.measure import drift
 from pipeline.recipe.schema import Recipe, RecipeError, load
+from pipeline.setup import assets
 
 U = suites.utils_module()
 

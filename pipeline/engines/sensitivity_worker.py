@@ -13,11 +13,12 @@ algorithm left them (AWQ's smoothed channels; GPTQ, which writes rounded values,
 its quantized values. Then, per part, on drift-corpus windows and over the full vocabulary against the
 unquantized model: `kl_mean` / `top1_agreement` with only that part quantized. Why calibrated: AWQ
 protects some parts (q/k/v) far more than others (o_proj, whose v_proj->o_proj mapping is skipped under
-GQA), so a round-to-nearest ranking spends bytes where the algorithm needs none. With `curve`, the worker also scores the all-quantized
-model with the first k ranked parts kept at the fallback precision, for the k that keep each fraction
-of the weights in `curve`: the search's first guess. (Ranking instead by what keeping each part alone
-recovers from the all-quantized model, measured in context, was tried and dropped: on a few windows that
-difference of two noisy figures ranks worse than each part's own damage; docs/search.md has the figures.)
+GQA), so a round-to-nearest ranking spends bytes where the algorithm needs none. With `curve`, the worker
+also scores the all-quantized model with the first k ranked parts kept at the fallback precision, for
+the k that keep each fraction of the weights in `curve`: the search's first guess. (Ranking instead by
+what keeping each part alone recovers from the all-quantized model, measured in context, was tried and
+dropped: on a few windows that difference of two noisy figures ranks worse than each part's own damage;
+docs/search.md has the figures.)
 method "rtn": each part alone rounded to nearest on the grid (compressed-tensors' own calculate_qparams /
 fake_quantize), no calibration.
 

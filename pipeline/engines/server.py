@@ -23,8 +23,8 @@ from pathlib import Path
 
 import psutil
 
-from pipeline.setup import envs
 from pipeline.engines.memory import MemorySampler, device_used_bytes
+from pipeline.setup import envs
 
 SERVED_NAME = "model"
 

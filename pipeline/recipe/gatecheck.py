@@ -9,8 +9,8 @@ task YAML declares its slices only in its data, so those are checked at sign-off
 
 from __future__ import annotations
 
-from pipeline.measure import metrics
 from pipeline import suites, suitetable
+from pipeline.measure import metrics
 
 
 def slice_values(recipe, suite: str, dim: str) -> set[str] | None:

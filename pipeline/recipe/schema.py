@@ -16,8 +16,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 
-from pipeline.measure import metrics
 from pipeline import schemes, suitetable
+from pipeline.measure import metrics
 from pipeline.recipe.files import RecipeError, check_import, check_llmc_recipe, check_model_dir, one_line, read_mapping
 from pipeline.recipe.files import check_checkpoint_dir as check_checkpoint_dir  # re-exported for callers
 from pipeline.recipe.search_section import SearchSpec, group_size_rule

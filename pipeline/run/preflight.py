@@ -11,10 +11,10 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline.setup import assets, envs, modelcfg
 from pipeline.recipe.schema import Recipe
 from pipeline.runstore import weight_bytes
 from pipeline.schemes import W4_SCHEMES
+from pipeline.setup import assets, envs, modelcfg
 
 
 class PreflightError(Exception):
@@ -72,8 +72,8 @@ def _base_plan(recipe: Recipe, model_dir: Path):
     """The base model's pool plan under the recipe's budget, with the reserve this host measured before
     (or none yet); None when not in budget mode or the config lacks the attention shapes."""
     from pipeline.measure import membudget
-    from pipeline.store import provenance
     from pipeline.stages import reserve as reserve_stage
+    from pipeline.store import provenance
 
     if membudget.mode(recipe.engine, envs.has_nvidia_gpu()) != "budget":
         return None, None

@@ -23,9 +23,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from pipeline.console import say
 from pipeline.setup import envs
 from pipeline.store import outcome
-from pipeline.console import say
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,20 +21,20 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline.setup import assets, envs, modelcfg
-from pipeline.store import keys, outcome, provenance, resultcache
-from pipeline.measure import membudget
 from pipeline import schemes, support
 from pipeline.console import say
 from pipeline.engines.server import numerics_env
-from pipeline.store.outcome import Spent
-from pipeline.run.preflight import PreflightError, check_ray_address, preflight
+from pipeline.measure import membudget
 from pipeline.recipe.schema import Recipe
 from pipeline.results import BudgetPlan, QualityResult, SystemsResult
+from pipeline.run.preflight import PreflightError, check_ray_address, preflight
 from pipeline.runstore import RunDir, RunLocked, hash_obj, open_run, read_result, run_lock, write_json
+from pipeline.setup import assets, envs, modelcfg
 from pipeline.stages import quantize as quantize_stage
 from pipeline.stages import reserve as reserve_stage
 from pipeline.stages.evaluate import ServeJob
+from pipeline.store import keys, outcome, provenance, resultcache
+from pipeline.store.outcome import Spent
 
 __all__ = ["PreflightError", "RunLocked", "run", "run_stage", "stage_main", "support_table"]
 

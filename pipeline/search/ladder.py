@@ -25,17 +25,17 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.setup import envs, modelcfg
-from pipeline.store import keys, outcome, provenance
-from pipeline.measure import membudget
-from pipeline.search import mixed
-from pipeline.run import runner
 from pipeline.console import say
 from pipeline.engines.sensitivity_parts import kept_modules
-from pipeline.store.outcome import Spent
+from pipeline.measure import membudget
 from pipeline.recipe.schema import Recipe, VariantSpec
+from pipeline.run import runner
 from pipeline.runstore import atomic_write_text, hash_obj, run_lock, write_json
+from pipeline.search import mixed
+from pipeline.setup import envs, modelcfg
 from pipeline.stages import sensitivity
+from pipeline.store import keys, outcome, provenance
+from pipeline.store.outcome import Spent
 
 PASSING = ("PASS", "WARN")
 TOP1_MARGIN = 0.01  # the first guess aims this far above a top-1 gate (judged on its CI's lower bound)

@@ -17,9 +17,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.setup import envs, pkgindex
 from pipeline import suitetable
 from pipeline.runstore import atomic_write_text, drop_stale_tmp, sha256_file, sha256_tree, tmp_name, write_json
+from pipeline.setup import envs, pkgindex
 
 
 @dataclass(frozen=True)

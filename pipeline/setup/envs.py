@@ -101,8 +101,8 @@ def ensure(kind: str) -> Path:
               f"Log: {logpath}", file=sys.stderr, flush=True)
         if target.exists():
             shutil.rmtree(target)  # a half-built env from an interrupted setup
-        from pipeline.setup.installer import Installer
         from pipeline.progress import Heartbeat
+        from pipeline.setup.installer import Installer
 
         try:
             with open(logpath, "w") as log, Heartbeat(f"[setup] {kind} environment", stream=sys.stderr):

@@ -8,12 +8,12 @@ gauges are polled (ramp_step). docs/admission-knee.md explains what counts as qu
 
 from __future__ import annotations
 
-from pipeline.measure import stats
-from pipeline.measure.capacity import admitted
 from pipeline.engines import loadgen
 from pipeline.engines.server import SERVED_NAME, Server
-from pipeline.progress import Progress
+from pipeline.measure import stats
+from pipeline.measure.capacity import admitted
 from pipeline.measure.prompts import PromptStream
+from pipeline.progress import Progress
 from pipeline.results import AdmissionProbe, KVCapacity, RampStep
 
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

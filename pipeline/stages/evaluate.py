@@ -15,11 +15,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.store import provenance
 from pipeline.engines.server import Server
 from pipeline.results import BudgetPlan, QualityResult, SystemsResult
 from pipeline.runstore import write_json
 from pipeline.stages import admission, quality, systems
+from pipeline.store import provenance
 
 
 @dataclass

@@ -15,13 +15,13 @@ import math
 import time
 from pathlib import Path
 
-from pipeline.setup import assets
-from pipeline.measure import drift, stats
 from pipeline import suites
 from pipeline.engines.server import SERVED_NAME, Server
+from pipeline.measure import drift, stats
 from pipeline.progress import Progress
 from pipeline.results import DriftQuality, QualityResult, SliceStat, SuiteQuality
 from pipeline.runstore import atomic_write_text
+from pipeline.setup import assets
 
 CORRECT_METRIC = "acc_norm"  # multiple choice: length-normalised loglikelihood argmax
 

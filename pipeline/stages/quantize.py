@@ -15,14 +15,14 @@ import json
 import shutil
 from pathlib import Path
 
-from pipeline.setup import assets, envs
-from pipeline.store import checkpoints, keys, provenance
 from pipeline.console import say
 from pipeline.engines.quantize_worker import build_recipe
 from pipeline.recipe.files import EXAMPLE
 from pipeline.results import QuantizeResult
 from pipeline.runstore import atomic_dir, hash_obj, read_result, weight_bytes, write_json
 from pipeline.schemes import SCHEMES, W4_SCHEMES
+from pipeline.setup import assets, envs
+from pipeline.store import checkpoints, keys, provenance
 
 NOISE = ("No accelerator available",)
 

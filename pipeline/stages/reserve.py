@@ -21,15 +21,15 @@ import socket
 import time
 from pathlib import Path
 
-from pipeline.measure import capacity
-from pipeline.setup import envs, modelcfg
-from pipeline.store import outcome, provenance
 from pipeline.engines import loadgen
 from pipeline.engines.server import SERVED_NAME, Server
-from pipeline.store.keys import source_hash
-from pipeline.store.outcome import Spent
+from pipeline.measure import capacity
 from pipeline.measure.prompts import PromptStream
 from pipeline.runstore import hash_obj, write_json
+from pipeline.setup import envs, modelcfg
+from pipeline.store import outcome, provenance
+from pipeline.store.keys import source_hash
+from pipeline.store.outcome import Spent
 
 RESERVE_KEY_VERSION = 2  # 2: serving load only (no prompt log-probabilities)
 POOL_FIELDS = {"memory_budget_gib", "kv_cache_gib", "gpu_memory_utilization", "startup_timeout_s"}

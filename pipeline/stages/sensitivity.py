@@ -18,15 +18,15 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.setup import assets, envs
-from pipeline.measure import drift
-from pipeline.store import keys
 from pipeline import schemes, suites
 from pipeline.console import say
 from pipeline.engines import sensitivity_parts
 from pipeline.engines.quantize_worker import build_recipe
+from pipeline.measure import drift
 from pipeline.recipe.search_section import FALLBACK_BITS
 from pipeline.runstore import hash_obj, sha256_file, write_json
+from pipeline.setup import assets, envs
+from pipeline.store import keys
 
 WORKER = keys.PIPELINE / "engines" / "sensitivity_worker.py"
 CODE = (WORKER, keys.PIPELINE / "engines" / "sensitivity_parts.py", keys.QUANTIZE_WORKER)

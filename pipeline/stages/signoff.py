@@ -13,9 +13,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from pipeline.measure import drift, metrics, stats
 from pipeline import support
-from pipeline.store.outcome import VariantOutcome
+from pipeline.measure import drift, metrics, stats
 from pipeline.results import (
     GateOutcome,
     Measured,
@@ -25,6 +24,7 @@ from pipeline.results import (
     Signoff,
     VariantSignoff,
 )
+from pipeline.store.outcome import VariantOutcome
 
 
 def _read_checked(vdir: Path, samples_file: str, sha: str | None) -> list[dict]:

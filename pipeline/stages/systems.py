@@ -14,14 +14,14 @@ import socket
 import time
 from pathlib import Path
 
-from pipeline.measure import capacity, membudget, stats
-from pipeline.setup import modelcfg
 from pipeline.engines import loadgen
 from pipeline.engines.server import SERVED_NAME, Server
-from pipeline.progress import Progress
+from pipeline.measure import capacity, membudget, stats
 from pipeline.measure.prompts import PromptStream
+from pipeline.progress import Progress
 from pipeline.results import CellResult, KVCapacity, Latency, Roofline, SystemsResult
 from pipeline.runstore import weight_bytes
+from pipeline.setup import modelcfg
 
 
 def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, workload, plan=None) -> KVCapacity:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.setup import assets, envs
-from pipeline.store import provenance
 from pipeline import suites
 from pipeline.runstore import hash_obj, sha256_file
+from pipeline.setup import assets, envs
+from pipeline.store import provenance
 
 ROOT = Path(__file__).resolve().parents[2]
 QUANTIZE_WORKER = ROOT / "pipeline" / "engines" / "quantize_worker.py"

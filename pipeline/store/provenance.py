@@ -14,8 +14,8 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.setup import envs
 from pipeline.runstore import sha256_file
+from pipeline.setup import envs
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "tokenizer.model")

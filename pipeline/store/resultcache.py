@@ -17,8 +17,8 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from pipeline.setup import envs
 from pipeline.runstore import atomic_dir, read_result, write_json
+from pipeline.setup import envs
 
 T = TypeVar("T", bound=BaseModel)
 
