@@ -279,3 +279,17 @@ def test_only_the_two_benign_lm_eval_warnings_are_dropped(caplog):
         ev.warning("pretrained=/a/long/path appears to be an instruct or chat variant but chat\n  template is not applied.")
         api.warning("Automatic batch size is not supported for API models.")
     assert [r.getMessage() for r in caplog.records] == ["Automatic batch size is not supported for API models."]
+
+
+def test_lm_eval_asks_no_git_outside_a_repository(tmp_path, monkeypatch, capfd):
+    """lm-eval records the working folder's git commit; outside a repository git printed 'fatal: not a git
+    repository' through --quiet. The quality stage turns that lookup off."""
+    import lm_eval.evaluator
+
+    from pipeline.stages.quality import run_lm_eval
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(lm_eval.evaluator, "get_git_commit_hash", lm_eval.evaluator.get_git_commit_hash)
+    run_lm_eval(None, tmp_path, None, {}, tmp_path, "x")  # nothing to score: returns after its set-up
+    assert lm_eval.evaluator.get_git_commit_hash() is None
+    assert "not a git repository" not in capfd.readouterr().err

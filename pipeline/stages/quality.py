@@ -113,8 +113,12 @@ def run_lm_eval(server: Server, model_dir: Path, recipe, by_limit: dict, tasks_d
     import threading
 
     import lm_eval
+    import lm_eval.evaluator
     from lm_eval.tasks import TaskManager
 
+    # lm-eval records the git commit of the working folder; outside a repository git prints "fatal: not a
+    # git repository" through --quiet, and the run's provenance already records what was measured
+    lm_eval.evaluator.get_git_commit_hash = lambda: None
     samples, configs, timings = {}, {}, {}
     if not by_limit:
         return samples, configs, timings
