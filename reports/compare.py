@@ -25,6 +25,7 @@ from pathlib import Path
 
 from pipeline.measure import stats
 from pipeline.results import QualityResult
+from reports.provenance import env_text
 from reports.view import validated
 
 NOISE_FLOOR, NO_SPREAD_NOISE, PEAK_MEMORY_NOISE = 0.05, 0.15, 0.10
@@ -131,7 +132,7 @@ def _path(v: dict) -> str:
     s = v.get("support") or {}
     if not s.get("compute"):
         return "–" if not s else f"{s.get('mode')} (no compute path recorded)"
-    env = ", ".join(f"{k}={x}" for k, x in sorted((s.get("engine_env") or {}).items()))
+    env = env_text(s.get("engine_env"))
     return f"{s['compute']}, activations {s.get('activations')}" + (f" [{env}]" if env else "")
 
 

@@ -53,11 +53,16 @@ def schemes_section(run: Run) -> str:
                      "quantize s", "quantize peak RSS", "engine support"], rows, left=5, last_left=True))
 
 
+def env_text(env: dict | None) -> str:
+    """'A=1, B=0': an engine environment, sorted, as every report line shows it."""
+    return ", ".join(f"{k}={v}" for k, v in sorted((env or {}).items()))
+
+
 def computed_as(sup: dict) -> str:
     """'W4A16 (bfloat16 activations; VLLM_CPU_INT4_W4A8=0)' from a variant's support.json."""
     if not sup.get("compute"):
         return "–"
-    env = ", ".join(f"{k}={v}" for k, v in sorted((sup.get("engine_env") or {}).items()))
+    env = env_text(sup.get("engine_env"))
     return f"{sup['compute']} ({sup.get('activations')} activations" + (f"; {env})" if env else ")")
 
 
@@ -67,8 +72,7 @@ def _run_rows(m: dict) -> list[list[str]]:
             ["weights sha256", escape(m["model"]["weights_sha256"])],
             ["tokenizer sha256", escape(m["model"]["tokenizer_sha256"])],
             ["engine dtype", escape(m["engine_dtype"])],
-            ["engine environment (numerics)", escape(", ".join(f"{k}={v}" for k, v in sorted(
-                (m.get("engine_numerics_env") or {}).items())) or "not recorded")],
+            ["engine environment (numerics)", escape(env_text(m.get("engine_numerics_env")) or "not recorded")],
             ["engine args", f"<code>{escape(json.dumps(m['recipe']['engine']))}</code>"],
             ["versions", escape(", ".join(f"{k} {v}" for k, v in m["versions"].items()))],
             ["hardware", escape(json.dumps(m["hardware"]))],
