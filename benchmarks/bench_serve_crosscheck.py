@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_serve_crosscheck.py [RECIPE]     (default: recipes/awq.yaml)
 
-Starts one engine for the recipe's baseline with the pipeline's own Server (same engine
+Starts one engine for the recipe's baseline with the pipeline's own engine interface (same engine
 arguments), measures the recipe's workload cell three times with the pipeline's loadgen
 (repeatability: spread of p50 TPOT), then runs `vllm bench serve` at the same prompt and
 output lengths, concurrency and request count against the same server, and prints both.
@@ -27,13 +27,12 @@ reexec_under_engine_env(__file__)
 
 sys.path.insert(0, str(ROOT))
 
-from pipeline.engines import loadgen  # noqa: E402
-from pipeline.engines.server import SERVED_NAME, Server  # noqa: E402
-from pipeline.measure import stats  # noqa: E402
+from pipeline.engines import interface  # noqa: E402
+from pipeline.measure import loadgen, stats  # noqa: E402
 from pipeline.measure.prompts import latency_prompts  # noqa: E402  (same prompts as the pipeline)
 from pipeline.recipe import schema as recipe_mod  # noqa: E402
 from pipeline.run import runner  # noqa: E402
-from pipeline.store import provenance  # noqa: E402
+from pipeline.setup import host  # noqa: E402
 
 # `vllm bench serve` through the CLI entry point dies with SIGILL on AVX2-only CPUs (the CLI
 # imports the AVX512 build of vllm._C) and looks up a distribution named "vllm", which
@@ -53,21 +52,22 @@ def main() -> int:
     r = recipe_mod.load(sys.argv[1] if len(sys.argv) > 1 else ROOT / "recipes" / "awq.yaml")
     w = r.workload
     model_dir = runner.resolve_model(r)
-    dtype = provenance.resolve_dtype(r.engine.dtype)
+    dtype = host.resolve_dtype(r.engine.dtype)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = latency_prompts(tok, w.warmup_requests + 3 * w.num_requests, w.prompt_tokens)
     out_dir = Path(tempfile.mkdtemp(prefix="qe-crosscheck-"))
-    with Server(model_dir, r.engine, dtype, out_dir / "engine.log", False) as server:
+    engine = interface.kind(r.engine.kind).launch(interface.Launch(model_dir, r.engine, dtype, out_dir / "engine.log"))
+    with engine as server:
         print(f"engine ready in {server.start_s:.0f} s; cell: {w.prompt_tokens} in / {w.output_tokens} out, "
               f"concurrency {w.concurrency}, {w.num_requests} requests, dtype {dtype}")
-        loadgen.run_closed_loop(server.port, SERVED_NAME, prompts[:w.warmup_requests], w.output_tokens,
+        loadgen.run_closed_loop(server.port, server.served_name, prompts[:w.warmup_requests], w.output_tokens,
                                 w.concurrency, w.request_timeout_s)
         ours = []
         for i in range(3):
             batch = prompts[w.warmup_requests + i * w.num_requests: w.warmup_requests + (i + 1) * w.num_requests]
-            recs, wall = loadgen.run_closed_loop(server.port, SERVED_NAME, batch, w.output_tokens,
+            recs, wall = loadgen.run_closed_loop(server.port, server.served_name, batch, w.output_tokens,
                                                  w.concurrency, w.request_timeout_s)
             s = loadgen.summarize(recs, wall)
             ours.append(s)
@@ -75,7 +75,7 @@ def main() -> int:
                   f"TPOT p50 {s['tpot_ms']['p50']:.1f} ms, ok {s['completed']}/{len(batch)}")
         script = out_dir / "bench.py"
         script.write_text(BENCH)
-        cmd = [sys.executable, str(script), "--backend", "vllm", "--model", SERVED_NAME,
+        cmd = [sys.executable, str(script), "--backend", "vllm", "--model", server.served_name,
                "--tokenizer", str(model_dir), "--base-url", server.base_url, "--endpoint", "/v1/completions",
                "--dataset-name", "random", "--random-input-len", str(w.prompt_tokens),
                "--random-output-len", str(w.output_tokens), "--num-prompts", str(w.num_requests),

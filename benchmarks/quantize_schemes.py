@@ -27,7 +27,7 @@ def main() -> int:
     from pipeline.recipe import schema as recipe_mod
     from pipeline.run import runner
     from pipeline.runstore import hash_obj
-    from pipeline.setup import envs
+    from pipeline.setup import envs, host
     from pipeline.stages import quantize as quantize_stage
     from pipeline.store import keys, provenance
     from pipeline.store.outcome import Spent
@@ -40,7 +40,7 @@ def main() -> int:
     model_id = hash_obj(provenance.model_hashes(model_dir))
     c = recipe.calibration
     print(f"model {model_dir}, calibration {c.dataset} {c.num_samples}x{c.max_seq_len} tokens, "
-          f"dtype {provenance.resolve_dtype(c.dtype)}, {provenance.hardware().get('cpu')}")
+          f"dtype {host.resolve_dtype(c.dtype)}, {provenance.hardware().get('cpu')}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for v in recipe.variants:

@@ -42,8 +42,8 @@ from benchmarks.engine_env import reexec_under_engine_env  # noqa: E402
 reexec_under_engine_env(__file__)
 
 from pipeline import suites  # noqa: E402
-from pipeline.engines.quantize_worker import build_recipe  # noqa: E402
-from pipeline.engines.server import free_port  # noqa: E402
+from pipeline.engines.interface import free_port  # noqa: E402
+from pipeline.engines.workers.quantize_worker import build_recipe  # noqa: E402
 from pipeline.setup import assets, envs  # noqa: E402
 from pipeline.store import provenance  # noqa: E402
 

@@ -2,8 +2,8 @@
 with which llm-compressor modifiers.
 
 Standard library only: the recipe schema (pipeline/recipe/schema.py), the support matrix
-(pipeline/support.py), the engine command line, the quantize worker (which runs in the quantize
-environment, pipeline/engines/quantize_worker.py) and the search's mixed candidates
+(pipeline/engines/vllm/support.py), the engine command line, the quantize worker (which runs in the quantize
+environment, pipeline/engines/workers/quantize_worker.py) and the search's mixed candidates
 (pipeline/search/mixed.py) all read this one table. Adding a scheme is a row here and its tests.
 """
 
@@ -70,7 +70,7 @@ class Scheme:
     description: str  # one line, for the recipe schema
     symmetric: bool | None = None  # grouped integer weights: a grid symmetric around zero
     llmc_preset: str | None = None  # llm-compressor's preset scheme name, where the scheme is one
-    engine_args: tuple[str, ...] = ()  # what it adds to the engine command line
+    load_quantization: str | None = None  # the engine quantizes the base weights as it loads them, this way
     modifiers: Callable[[dict, dict], dict] | None = None  # llm-compressor modifiers (llm-compressor producers)
 
     @property
@@ -110,7 +110,7 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("fp8_dynamic", "llm-compressor", 8, False, "fp8_channel", "FP8 per-channel weights, dynamic "
            "per-token activations (llm-compressor)", llmc_preset="FP8_DYNAMIC", modifiers=_round),
     Scheme("bnb_nf4", "vllm", 4, False, "bnb", "bitsandbytes NF4, quantized by vLLM at load",
-           engine_args=("--quantization", "bitsandbytes")),
+           load_quantization="bitsandbytes"),
     Scheme("bnb_int8", "transformers", 8, False, "bnb", "bitsandbytes LLM.int8 (pre-quantized by transformers)"),
     Scheme("none", "none", None, False, "dense", "weights as the baseline (for KV-cache-only variants)",
            modifiers=_round),  # calibrated FP8 K/V scales alone
@@ -126,11 +126,6 @@ W4_SCHEMES = tuple(s.name for s in SCHEMES.values() if s.takes_group_size)
 def describe() -> str:
     """Every scheme with its one-line description, for the recipe schema."""
     return "; ".join(f"{s.name}: {s.description}" for s in SCHEMES.values()) + "."
-
-
-def engine_args(name: str) -> list[str]:
-    """What a scheme adds to the engine command line (bnb_nf4: vLLM quantizes as it loads)."""
-    return list(SCHEMES[name].engine_args)
 
 
 def llmc_recipe(name: str, ignore: list[str], group_size: int | None = None, kv_cache: str = "auto",

@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pipeline", "reports", "evalsuites", "benchmarks")
 # pipeline's floors, top to bottom: a unit imports only units below it (a folder, or a ground module)
 LAYERS = (
-    ("pipeline.cli",), ("pipeline.search",), ("pipeline.run",), ("pipeline.stages",), ("pipeline.support",),
-    ("pipeline.store",), ("pipeline.engines", "pipeline.recipe"), ("pipeline.measure", "pipeline.suites"),
+    ("pipeline.cli",), ("pipeline.search",), ("pipeline.run",), ("pipeline.stages",),
+    ("pipeline.store",), ("pipeline.recipe",), ("pipeline.measure", "pipeline.suites"), ("pipeline.engines",),
     ("pipeline.setup",),
     ("pipeline.results", "pipeline.progress", "pipeline.runstore", "pipeline.console", "pipeline.schemes",
      "pipeline.suitetable"),
@@ -119,6 +119,28 @@ def test_no_import_runs_back_up_the_layers():
 
 def test_the_layer_check_sees_an_upward_import():
     g = {"pipeline.measure.stats": {"pipeline.stages.quality"}, "pipeline.stages.quality": {"pipeline.measure.stats"},
-         "pipeline.recipe.schema": {"pipeline.engines.server"}}  # same floor: sideways, also refused
-    assert upward_imports(g) == ["pipeline.measure.stats -> pipeline.stages.quality",
-                                 "pipeline.recipe.schema -> pipeline.engines.server"]
+         "pipeline.measure.drift": {"pipeline.suites"}}  # same floor: sideways, also refused
+    assert upward_imports(g) == ["pipeline.measure.drift -> pipeline.suites",
+                                 "pipeline.measure.stats -> pipeline.stages.quality"]
+
+
+def engine_reach(g: dict[str, set[str]]) -> list[str]:
+    """Imports of an engine kind's folder (pipeline.engines.<kind>) from outside it: every stage talks to
+    pipeline/engines/interface.py, which finds the kind by its name, so adding an engine touches only its
+    own folder."""
+    kinds = {p.name for p in (ROOT / "pipeline" / "engines").iterdir() if (p / "__init__.py").exists()} - {"workers"}
+    bad = []
+    for mod, deps in g.items():
+        for dep in deps:
+            parts = dep.split(".")
+            if len(parts) > 2 and parts[:2] == ["pipeline", "engines"] and parts[2] in kinds and \
+                    mod.split(".")[:3] != parts[:3]:
+                bad.append(f"{mod} -> {dep}")
+    return sorted(bad)
+
+
+def test_only_an_engines_own_folder_imports_it():
+    assert engine_reach(graph()) == []
+    assert engine_reach({"pipeline.stages.systems": {"pipeline.engines.vllm.server"},
+                         "pipeline.engines.vllm": {"pipeline.engines.vllm.server"}}) == \
+        ["pipeline.stages.systems -> pipeline.engines.vllm.server"]

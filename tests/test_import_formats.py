@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import support
+from pipeline.engines import formats
 from pipeline.recipe.schema import RecipeError, check_checkpoint_dir
 from pipeline.runstore import weight_bytes
 from pipeline.setup import envs
@@ -37,13 +37,13 @@ def test_legacy_checkpoint_dequantizes_exactly(tiny, tmp_path, fmt):
     reference = legacy_formats.write(tiny, ckpt, fmt)
     check_checkpoint_dir(ckpt, Path("import.yaml"), "variants.0.checkpoint")  # accepted as importable
     cfg = json.loads((ckpt / "config.json").read_text())
-    assert support.checkpoint_format(cfg).weights == "wna16"
+    assert formats.checkpoint_format(cfg).weights == "wna16"
     f = facts(ckpt, tiny, weight_bytes(ckpt))
     assert f["unquantized_modules"] == ["model.embed_tokens"]
     assert 4 < f["bits_per_weight"] < 16  # packed 4-bit Linears beside a 16-bit embedding
 
     dense = tmp_path / f"dense-{fmt}"
-    envs.run_module("quantize", "pipeline.engines.dequantize_worker", [str(ckpt), str(dense)],
+    envs.run_module("quantize", "pipeline.engines.workers.dequantize_worker", [str(ckpt), str(dense)],
                     tmp_path / "dequantize.log", 600, "dequantization")
     out = load_file(dense / "model.safetensors")
     assert not any(k.endswith((".qweight", ".qzeros", ".scales", ".g_idx")) for k in out)

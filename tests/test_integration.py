@@ -75,7 +75,7 @@ def compressed_tensors_checkpoint(model: Path, out: Path) -> None:
             "num_samples": 2, "max_seq_len": 32, "seed": 0, "trust_remote_code": False,
             "calibration_dtype": "float32", "smoothing_strength": 0.8, "recipe_file": None}
     (out.parent / "ct-spec.json").write_text(json.dumps(spec))
-    envs.run_module("quantize", "pipeline.engines.quantize_worker",
+    envs.run_module("quantize", "pipeline.engines.workers.quantize_worker",
                     [str(out.parent / "ct-spec.json"), str(out.parent / "ct-result.json")],
                     out.parent / "ct-quantize.log", 900, "quantize a compressed-tensors checkpoint to import")
 

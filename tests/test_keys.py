@@ -46,7 +46,7 @@ def test_the_fingerprints_name_the_files_that_measure():
 def test_the_engine_environment_that_changes_numerics_keys_every_result():
     """The same checkpoint computed as W4A8 (VLLM_CPU_INT4_W4A8=1) is another quality and systems result;
     None is the default every engine gets, so it keys the same as asking for it."""
-    from pipeline.engines.server import numerics_env
+    from pipeline.engines.vllm.server import numerics_env
 
     r = recipe([])
     default = keys.evaluate_keys(r, "w", "bfloat16", [])
@@ -60,7 +60,7 @@ def test_a_vllm_variable_in_the_users_shell_keys_the_results(monkeypatch):
     provenance shows it; the variables the pipeline sets itself are not the user's."""
     import os
 
-    from pipeline.engines.server import numerics_env
+    from pipeline.engines.vllm.server import numerics_env
 
     for k in [k for k in os.environ if k.startswith("VLLM_")]:
         monkeypatch.delenv(k)

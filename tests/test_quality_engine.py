@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.engines.server import SERVED_NAME, Server
+from pipeline.engines import vllm
+from pipeline.engines.interface import Launch
 from pipeline.measure import drift
 from pipeline.recipe.schema import EngineSpec, Recipe
 from tests import tinymodel
@@ -75,9 +76,9 @@ def test_drift_kl_matches_full_vocabulary_reference(tmp_path):
     engine = EngineSpec(max_model_len=256, max_num_seqs=4, kv_cache_gib=0.0625)
     got = {}
     for name, d in (("base", base), ("var", var)):
-        with Server(d, engine, "float32", tmp_path / f"{name}.log", False, ["--max-logprobs", str(VOCAB)]) as srv:
-            got[name, "full"] = drift.score_windows(srv.port, SERVED_NAME, windows, VOCAB)
-            got[name, "top8"] = drift.score_windows(srv.port, SERVED_NAME, windows, 8)
+        with vllm.launch(Launch(d, engine, "float32", tmp_path / f"{name}.log", max_logprobs=VOCAB)) as srv:
+            got[name, "full"] = drift.score_windows(srv.port, srv.served_name, windows, VOCAB)
+            got[name, "top8"] = drift.score_windows(srv.port, srv.served_name, windows, 8)
     ref_b, ref_v = reference_logprobs(base, windows), reference_logprobs(var, windows)
     kl = np.concatenate([(np.exp(b) * (b - v)).sum(-1) for b, v in zip(ref_b, ref_v, strict=True)])
     top1 = np.concatenate([b.argmax(-1) == v.argmax(-1) for b, v in zip(ref_b, ref_v, strict=True)])
@@ -135,7 +136,7 @@ def test_per_item_answers_equal_the_lm_eval_cli(tmp_path, capfd):
         "variants": [{"name": "v", "scheme": "w8a8_int8"}],
         "quality": {"suites": ["piqa", "asdiv", str(user_yaml)], "limit": 8, "limits": {"asdiv": 4}}})
     vdir, tasks = tmp_path / "run" / "baseline", tmp_path / "run" / "tasks"
-    with Server(model, recipe.engine, "float32", tmp_path / "engine.log", False) as srv:
+    with vllm.launch(Launch(model, recipe.engine, "float32", tmp_path / "engine.log")) as srv:
         capfd.readouterr()
         q = run_quality(srv, model, recipe, "baseline", vdir, "h", tasks)
         printed = capfd.readouterr()

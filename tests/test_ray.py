@@ -29,9 +29,10 @@ def eight_bit_variant(model: Path) -> dict:
     """The 8-bit variant the test kills and retries, one this host's engine computes natively in float32:
     W8A8-INT8, or, where the INT8 kernel takes only 16-bit activations (AMX), an FP8 KV cache with
     calibrated scales (also quantized by llm-compressor, served with dense float32 weights)."""
-    from pipeline import support
+    from pipeline.engines import formats
+    from pipeline.engines.vllm import support
 
-    w8a8 = support.decide(support.scheme_format("w8a8_int8", "auto"), json.loads((model / "config.json").read_text()),
+    w8a8 = support.decide(formats.scheme_format("w8a8_int8", "auto"), json.loads((model / "config.json").read_text()),
                           dtype="float32")
     if w8a8.mode == "native":
         return {"name": "q8", "scheme": "w8a8_int8"}

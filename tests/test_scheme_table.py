@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline import schemes
-from pipeline.engines.quantize_worker import build_recipe
+from pipeline.engines.workers.quantize_worker import build_recipe
 from pipeline.search import mixed
 
 W4 = [s for s in schemes.SCHEMES.values() if s.takes_group_size]

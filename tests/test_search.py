@@ -255,7 +255,7 @@ def test_parts_rank_by_sensitivity_per_weight_and_overlaps_count_once():
 def test_block_kinds_rank_each_input_sharing_group_within_each_block():
     """units: block_kinds: the worker cuts each block into its input-sharing groups, the search ranks only
     those (not whole blocks or kinds across blocks), and people read them grouped by kind."""
-    from pipeline.engines.sensitivity_parts import parts_of
+    from pipeline.engines.workers.sensitivity_parts import parts_of
     from pipeline.stages.sensitivity import linear_modules, ranked_parts
 
     names = [f"model.layers.{b}.{k}" for b in range(2) for k in ("q_proj", "k_proj", "v_proj", "down_proj")]
@@ -295,7 +295,7 @@ def test_report_draws_the_kinds_within_blocks_and_marks_the_kept_ones(tmp_path):
 
 
 def test_curve_points_are_where_the_ranked_parts_hold_each_fraction_of_the_weights():
-    from pipeline.engines.sensitivity_parts import curve_ks
+    from pipeline.engines.workers.sensitivity_parts import curve_ks
 
     ranked = [{"part": p, "params": n} for p, n in (("x", 50), ("y", 30), ("z", 20))]
     # the smallest k whose parts hold each fraction of the weights: 50% -> x; 80% -> x+y; 100% -> all

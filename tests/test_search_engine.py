@@ -47,7 +47,7 @@ def sensitivity_of(model: Path, tmp: Path, scheme: str | None = None, **extra) -
     from transformers import AutoTokenizer
 
     from pipeline import suites
-    from pipeline.engines.quantize_worker import build_recipe
+    from pipeline.engines.workers.quantize_worker import build_recipe
     from pipeline.measure import drift
     from pipeline.setup import assets
 
@@ -61,7 +61,7 @@ def sensitivity_of(model: Path, tmp: Path, scheme: str | None = None, **extra) -
                     calibration={"calibration_file": str(assets.calibration_text("xsum")), "num_samples": 4,
                                  "max_seq_len": 64})
     (tmp / "spec.json").write_text(json.dumps(spec))
-    envs.run_module("quantize", "pipeline.engines.sensitivity_worker", [str(tmp / "spec.json"), str(tmp / "out.json")],
+    envs.run_module("quantize", "pipeline.engines.workers.sensitivity_worker", [str(tmp / "spec.json"), str(tmp / "out.json")],
                     tmp / "sensitivity.log", 900, "sensitivity")
     return json.loads((tmp / "out.json").read_text())
 

@@ -6,7 +6,8 @@ import subprocess
 
 import pytest
 
-from pipeline.engines.server import EngineError, Server
+from pipeline.engines.interface import EngineError, Launch
+from pipeline.engines.vllm.server import Server
 from pipeline.recipe.schema import EngineSpec
 
 
@@ -14,7 +15,7 @@ def test_an_engine_that_died_is_blamed_with_its_own_error_line(tmp_path):
     log = tmp_path / "engine.log"
     log.write_text("INFO ready\n(EngineCore pid=1) ERROR [core.py:1512] EngineCore encountered a fatal error.\n"
                    "(EngineCore pid=1) ERROR NotImplementedError: \"cpu_gemm_wna16\" not implemented for 'Float'\n")
-    server = Server(tmp_path, EngineSpec(), "float32", log, False)
+    server = Server(Launch(tmp_path, EngineSpec(), "float32", log))
     server.proc = subprocess.Popen(["true"])
     server.proc.wait()
     with pytest.raises(EngineError, match="not implemented for 'Float'.*client saw ConnectionRefusedError"), \
@@ -25,7 +26,7 @@ def test_an_engine_that_died_is_blamed_with_its_own_error_line(tmp_path):
 def test_a_client_error_of_a_healthy_engine_stays_the_clients(tmp_path):
     log = tmp_path / "engine.log"
     log.write_text("INFO ready\n")
-    server = Server(tmp_path, EngineSpec(), "float32", log, False)
+    server = Server(Launch(tmp_path, EngineSpec(), "float32", log))
     server.proc = subprocess.Popen(["sleep", "5"])
     try:
         with pytest.raises(ValueError, match="bad prompt"), server.blamed_for_errors():

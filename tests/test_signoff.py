@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from pipeline.engines import interface
 from pipeline.recipe.schema import GateSpec
 from pipeline.results import GateOutcome, Measured
 from pipeline.stages.signoff import judge, signoff
@@ -111,7 +112,7 @@ def tpot_gate_without_latency(tmp_path, status: str, error: str):
 
 def test_a_fail_gate_this_hardware_cannot_measure_is_unverified_not_failed(tmp_path):
     r, root, results = tpot_gate_without_latency(tmp_path, "skipped", "no W4A16 kernel on this CPU")
-    results["v4"]["support"] = {"mode": "emulated", "format": "wna16"}
+    results["v4"]["support"] = {"mode": "emulated", "format": "wna16", "native_on": interface.kind("vllm").native_on("wna16")}
     so = signoff(r, "h", root, results)
     g = so.variants[0].gates[0]
     assert g.outcome == "N/A" and "not measurable on this hardware" in g.note and "no W4A16 kernel" in g.note

@@ -71,7 +71,7 @@ def test_agresti_min_keeps_width_without_flips():
 
 
 def test_goodput_and_cost():
-    from pipeline.engines.loadgen import RequestRecord, summarize
+    from pipeline.measure.loadgen import RequestRecord, summarize
 
     fast = RequestRecord(ok=True, ttft=0.1, e2e=1.1, output_tokens=11)   # TPOT 100 ms
     slow = RequestRecord(ok=True, ttft=0.5, e2e=2.5, output_tokens=11)   # TTFT 500 ms, TPOT 200 ms
@@ -139,7 +139,7 @@ def test_find_knee_stops_at_a_step_that_cannot_tell():
 
 
 def test_the_client_counts_requests_streaming_at_once():
-    from pipeline.engines.loadgen import RequestRecord, max_streaming
+    from pipeline.measure.loadgen import RequestRecord, max_streaming
 
     def rec(sent, first, last, ok=True):
         return RequestRecord(ok=ok, sent=sent, ttft=first - sent, e2e=last - sent, output_tokens=4)
@@ -172,19 +172,19 @@ def test_a_ramp_step_samples_the_gauges_once_all_requests_are_admitted(monkeypat
     poll interval (a fast engine's steps last ~0.1 s) is still seen running by the engine."""
     import threading
 
-    from pipeline.engines import loadgen
+    from pipeline.measure import loadgen
     from pipeline.stages import admission
 
     n, state, seen_all = 4, {"running": 0}, threading.Event()
 
     class Engine:  # gauges as the engine would show them: all running once every first token is out
-        port = 0
+        port, served_name = 0, "model"
 
-        def gauges(self, names):
+        def gauges(self):  # interface.GAUGES
             if state["running"] == n:
                 seen_all.set()
-            return {"vllm:num_requests_running": state["running"], "vllm:num_requests_waiting": 0,
-                    "vllm:kv_cache_usage_perc": 0.5 * state["running"] / n, "vllm:num_preemptions_total": 0}
+            return {"running": state["running"], "waiting": 0, "kv_usage": 0.5 * state["running"] / n,
+                    "preemptions": 0, "finished": 0}
 
     def closed_loop(port, model, prompts, max_tokens, concurrency, timeout, on_done=None, on_first=None):
         recs = [loadgen.RequestRecord(ok=True, sent=0.0, ttft=1.0 + i / 10, e2e=2.0, output_tokens=max_tokens)

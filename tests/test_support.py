@@ -1,6 +1,6 @@
 """Both branches of every hardware decision, whatever this machine's CPU kind.
 
-The engine's answers (pipeline/engines/support_probe.py) are replaced by recorded ones
+The engine's answers (pipeline/engines/vllm/support_probe.py) are replaced by recorded ones
 (tests/fixtures/support/, one per CPU kind: as an engine gave them, or reconstructed and labelled
 so, citing docs/cpu-kinds.md), so native, emulated and SKIPPED, and the compute path each names,
 are decided here against all four kinds on any machine. The tests that load every scheme in the
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import support
+from pipeline.engines import formats
+from pipeline.engines.vllm import support
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "support"
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -69,7 +70,7 @@ def answers(name: str) -> dict:
                          ids=[f"{e[0]}-{e[1]}-{e[2]}-{'smollm2' if e[3] is SMOLLM2 else 'tiled'}-{e[4]}-{e[5]}"
                               for e in EXPECTED])
 def test_decisions_from_recorded_answers(kind, scheme, kv, cfg, dtype, acts, mode, compute):
-    d = support.decide(support.scheme_format(scheme, kv), cfg, answers(kind), dtype=dtype, activations=acts)
+    d = support.decide(formats.scheme_format(scheme, kv), cfg, answers(kind), dtype=dtype, activations=acts)
     assert d.mode == mode, d
     assert d.compute.startswith(compute) and (d.mode == "unsupported") == (d.compute == ""), d
     assert f"{kind}.json" in d.platform and "answers" in d.platform  # a decision never passes for this machine's
@@ -79,20 +80,20 @@ def test_a_float32_engine_on_amx_is_refused_with_the_engines_reason_and_the_fix(
     """Not 'native' and then a crash on the first request (issue #29): the kernel's own words, and the
     dtype that serves it for every variant alike."""
     for scheme, cfg in (("w8a8_int8", SMOLLM2), ("fp8_block", TILED)):
-        d = support.decide(support.scheme_format(scheme, "auto"), cfg, answers("cpu-avx512-amx"), dtype="float32")
+        d = support.decide(formats.scheme_format(scheme, "auto"), cfg, answers("cpu-avx512-amx"), dtype="float32")
         assert "expect A to be bfloat16 or half" in d.reason and "engine.dtype: bfloat16" in d.reason, d
 
 
 def test_the_compute_path_says_what_the_activations_are():
     amx = answers("cpu-avx512-amx")
-    w4 = support.decide(support.scheme_format("awq_w4a16", "auto"), SMOLLM2, amx, dtype="bfloat16")
+    w4 = support.decide(formats.scheme_format("awq_w4a16", "auto"), SMOLLM2, amx, dtype="bfloat16")
     assert (w4.compute, w4.activations) == ("W4A16", "bfloat16") and "VLLM_CPU_INT4_W4A8=0" in w4.reason
-    w4a8 = support.decide(support.scheme_format("awq_w4a16", "auto"), SMOLLM2, amx, dtype="bfloat16",
+    w4a8 = support.decide(formats.scheme_format("awq_w4a16", "auto"), SMOLLM2, amx, dtype="bfloat16",
                           activations="int8")
     assert w4a8.compute == "W4A8" and w4a8.activations.startswith("int8")
-    fp8 = support.decide(support.scheme_format("fp8_block", "auto"), TILED, amx, dtype="bfloat16")
+    fp8 = support.decide(formats.scheme_format("fp8_block", "auto"), TILED, amx, dtype="bfloat16")
     assert fp8.activations == "bfloat16" and "weight-only" in fp8.reason
-    int8 = support.decide(support.scheme_format("w8a8_int8", "auto"), SMOLLM2, answers("cpu-avx512"))
+    int8 = support.decide(formats.scheme_format("w8a8_int8", "auto"), SMOLLM2, answers("cpu-avx512"))
     assert int8.activations == "int8 per token (from float32)" and "oneDNN" in int8.reason
 
 
@@ -101,7 +102,7 @@ def test_the_engine_environment_follows_the_compute_path(monkeypatch):
     whatever the user's shell says."""
     import os
 
-    from pipeline.engines.server import NUMERICS_ENV, engine_env, numerics_env
+    from pipeline.engines.vllm.server import NUMERICS_ENV, engine_env, numerics_env
 
     for k in [k for k in os.environ if k.startswith("VLLM_")]:
         monkeypatch.delenv(k)
@@ -120,19 +121,19 @@ def test_the_4bit_kernel_is_native_in_the_dtypes_it_computes_in():
     for kind, dtype, mode in (("cpu-avx512", "bfloat16", "native"), ("cpu-avx512", "float32", "emulated"),
                               ("cpu-avx2", "bfloat16", "emulated"), ("cpu-avx512-bf16", "bfloat16", "native"),
                               ("cpu-avx512-bf16", "float32", "emulated"), ("cpu-avx512-amx", "bfloat16", "native")):
-        d = support.decide(support.scheme_format("gptq_w4a16", "auto"), SMOLLM2, answers(kind), dtype=dtype)
+        d = support.decide(formats.scheme_format("gptq_w4a16", "auto"), SMOLLM2, answers(kind), dtype=dtype)
         assert d.mode == mode, (kind, dtype, d)
-    d = support.decide(support.scheme_format("gptq_w4a16", "auto"), SMOLLM2, answers("cpu-avx512"))
+    d = support.decide(formats.scheme_format("gptq_w4a16", "auto"), SMOLLM2, answers("cpu-avx512"))
     assert "not the engine's float32" in d.reason and "bfloat16/float16" in d.reason
 
 
 def test_reasons_name_what_is_missing():
-    emu = support.decide(support.scheme_format("gptq_w4a16", "auto"), SMOLLM2, answers("cpu-avx2"))
+    emu = support.decide(formats.scheme_format("gptq_w4a16", "auto"), SMOLLM2, answers("cpu-avx2"))
     assert "cpu_gemm_wna16" in emu.reason and "AVX2 library" in emu.reason and "systems not measured" in emu.reason
-    kv = support.decide(support.scheme_format("none", "fp8"), SMOLLM2, answers("cpu-avx2"))
+    kv = support.decide(formats.scheme_format("none", "fp8"), SMOLLM2, answers("cpu-avx2"))
     assert kv.reason.startswith("FP8 KV cache")
     odd = dict(SMOLLM2, hidden_size=560, num_attention_heads=7)  # head size 80: not a multiple of 32
-    kv80 = support.decide(support.scheme_format("none", "fp8"), odd, answers("cpu-avx512"))
+    kv80 = support.decide(formats.scheme_format("none", "fp8"), odd, answers("cpu-avx512"))
     assert kv80.mode == "unsupported" and "divisible by 32" in kv80.reason
 
 
@@ -157,7 +158,7 @@ def test_each_fixture_says_where_its_answers_came_from(kind):
     assert src["recorded"] or src["reconstructed"], kind
     assert {"activation_dtypes", "fp8_kv", "cpu", "kernels", "ops", "methods"} <= set(rec)
     assert set(rec["activation_dtypes"]) == {"wna16", "int8_w8a8", "fp8_block", "fp8_tensor", "fp8_channel", "w4a8"}
-    d = support.decide(support.scheme_format("none", "fp8"), SMOLLM2, answers(kind))
+    d = support.decide(formats.scheme_format("none", "fp8"), SMOLLM2, answers(kind))
     if src["reconstructed"]:
         assert src["reconstructed"]["fields"] and src["reconstructed"]["from"]
         for path in src["reconstructed"]["cites"]:
@@ -199,17 +200,17 @@ def test_the_kind_is_named_by_its_features():
 def test_cuda_decisions_come_from_vllms_own_kernel_requirements(cc, fp8, scheme, kv, mode, why):
     """vLLM's classes say what each kernel needs (importable without a GPU); a stand-in device
     capability stands for the GPU."""
-    from pipeline.engines.support_probe import cuda_answers
+    from pipeline.engines.vllm.support_probe import cuda_answers
 
     caps = {**cuda_answers(cc, fp8, bitsandbytes=True), "platform_name": f"cuda (stand-in cc {cc})"}
     assert caps["min_capability"]["wna16"] and caps["min_capability"]["fp8"] >= caps["min_capability"]["wna16"]
-    d = support.decide(support.scheme_format(scheme, kv), TILED, caps)
+    d = support.decide(formats.scheme_format(scheme, kv), TILED, caps)
     assert d.mode == mode and why in d.reason, d
 
 
 def test_bitsandbytes_on_cuda_needs_the_package():
-    from pipeline.engines.support_probe import cuda_answers
+    from pipeline.engines.vllm.support_probe import cuda_answers
 
     caps = {**cuda_answers(90, True, bitsandbytes=False), "platform_name": "cuda (stand-in)"}
-    d = support.decide(support.scheme_format("bnb_nf4", "auto"), SMOLLM2, caps)
+    d = support.decide(formats.scheme_format("bnb_nf4", "auto"), SMOLLM2, caps)
     assert d.mode == "unsupported" and "not installed" in d.reason

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.engines.server import Server
+from pipeline.engines import vllm
+from pipeline.engines.interface import Launch
 from pipeline.measure.prompts import PromptStream
 from pipeline.recipe.schema import EngineSpec, WorkloadSpec
 from pipeline.stages.admission import admission_probe
@@ -25,9 +26,9 @@ def test_loaded_weights_and_measured_admission_knee(tmp_path):
     n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model).parameters())
     # 2 x 4 layers x 2 KV heads x 64 x 4 bytes = 4 KiB a token: 4 MiB = 8 blocks of 128 tokens
     engine = EngineSpec(max_model_len=512, max_num_seqs=8, kv_cache_gib=4 / 1024)
-    with Server(model, engine, "float32", tmp_path / "engine.log", False) as srv:
+    with vllm.launch(Launch(model, engine, "float32", tmp_path / "engine.log")) as srv:
         loaded = srv.loaded_weights()
-        kv = kv_capacity(srv.cache_config(), model, engine, 4, WorkloadSpec(prompt_tokens=32, output_tokens=8,
+        kv = kv_capacity(srv.kv_layout(), model, engine, 4, WorkloadSpec(prompt_tokens=32, output_tokens=8,
                                                                             concurrency=1, num_requests=1))
         probe = admission_probe(srv, PromptStream(AutoTokenizer.from_pretrained(model)), engine, kv, 300)
     # the engine holds every parameter once, in float32 (tied embedding counted once)

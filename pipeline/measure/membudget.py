@@ -98,7 +98,7 @@ def plan(engine, cfg: dict, weights_dir: Path, engine_elem_bytes: int, kv_elem_b
     p = BudgetPlan(mode=m, weights_bytes=weights, kv_bytes_per_block=lay.bytes_per_block, block_size=lay.block,
                    projected=projected_from is not None)
     if m == "fixed":
-        p.pool_bytes = int(engine.kv_cache_gib * GIB)
+        p.pool_bytes = engine.fixed_pool_bytes
     elif m == "budget":
         if reserve is None:
             raise ValueError("budget mode needs the measured runtime reserve")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pipeline.engines import interface
 
 # CPU: room for the default model's float32 weights, the engine's runtime reserve and a pool that holds the
 # default workload (the reserve as measured: docs/performance.md)
@@ -21,8 +23,10 @@ class Strict(BaseModel):
 
 
 class EngineSpec(Strict):
-    """vLLM arguments shared by the baseline and every variant: the controlled experiment."""
+    """Engine settings shared by the baseline and every variant: the controlled experiment."""
 
+    kind: str = Field("vllm", description="The serving engine (a folder under pipeline/engines/ that implements "
+                      "pipeline/engines/interface.py): " + ", ".join(interface.kinds()) + ".")
     max_model_len: int = Field(2048, ge=64, description="Context length every engine serves.")
     max_num_seqs: int = Field(16, ge=1, le=1024, description="Sequences the scheduler runs at once.")
     memory_budget_gib: float | None = Field(
@@ -46,12 +50,24 @@ class EngineSpec(Strict):
                                       "with the ray executor, the GPUs each variant's evaluation requests.")
     startup_timeout_s: float = Field(600, gt=0, description="Give up on an engine start after this.")
 
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        if v not in interface.kinds():
+            raise ValueError(f"{v!r} is not an engine here (one of {', '.join(interface.kinds())})")
+        return v
+
     @model_validator(mode="after")
     def _one_pool_rule(self) -> EngineSpec:
         if self.memory_budget_gib is not None and self.kv_cache_gib is not None:
             raise ValueError("set one of engine.memory_budget_gib (a budget; the default) or engine.kv_cache_gib "
                              "(a fixed pool), not both")
         return self
+
+    @property
+    def fixed_pool_bytes(self) -> int | None:
+        """The KV pool every engine gets with kv_cache_gib (else None: a budget decides it)."""
+        return int(self.kv_cache_gib * 2**30) if self.kv_cache_gib is not None else None
 
     @property
     def budget_gib(self) -> float | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from pipeline.recipe.schema import Recipe
 from pipeline.runstore import weight_bytes
 from pipeline.schemes import W4_SCHEMES
-from pipeline.setup import assets, envs, modelcfg
+from pipeline.setup import assets, envs, host, modelcfg
 
 
 class PreflightError(Exception):
@@ -77,7 +77,7 @@ def _base_plan(recipe: Recipe, model_dir: Path):
 
     if membudget.mode(recipe.engine, envs.has_nvidia_gpu()) != "budget":
         return None, None
-    dtype = provenance.resolve_dtype(recipe.engine.dtype)
+    dtype = host.resolve_dtype(recipe.engine.dtype)
     act = provenance.dtype_bytes(dtype)
     cfg = modelcfg.read(model_dir)
     known = reserve_stage.cached_reserve(recipe, model_dir, dtype)

@@ -21,15 +21,16 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline import schemes, support
+from pipeline import schemes
 from pipeline.console import say
-from pipeline.engines.server import numerics_env
+from pipeline.engines import formats, interface
+from pipeline.engines.formats import Decision, Format
 from pipeline.measure import membudget
 from pipeline.recipe.schema import Recipe
 from pipeline.results import BudgetPlan, QualityResult, SystemsResult
 from pipeline.run.preflight import PreflightError, check_ray_address, preflight
 from pipeline.runstore import RunDir, RunLocked, hash_obj, open_run, read_result, run_lock, write_json
-from pipeline.setup import assets, envs, modelcfg
+from pipeline.setup import assets, envs, host, modelcfg
 from pipeline.stages import quantize as quantize_stage
 from pipeline.stages import reserve as reserve_stage
 from pipeline.stages.evaluate import ServeJob
@@ -71,13 +72,13 @@ def _reuse(vdir: Path, name: str, qh: str, sh: str, systems_skip: str | None):
     return q, s
 
 
-def pool_plan(ctx: RunContext, weights_dir: Path, extra_args: list[str], name: str,
+def pool_plan(ctx: RunContext, weights_dir: Path, kv_cache_dtype: str, name: str,
               projected_from: Path | None = None) -> BudgetPlan:
     """The KV pool one engine gets under the recipe's memory budget (pipeline/measure/membudget.py); the
     runtime reserve is measured once per run. A pool that cannot hold one sequence fails here, before
     any engine starts."""
     gpu = envs.has_nvidia_gpu()
-    act, kv = provenance.dtype_bytes(ctx.dtype), provenance.kv_elem_bytes(ctx.dtype, extra_args)
+    act, kv = provenance.dtype_bytes(ctx.dtype), provenance.kv_elem_bytes(ctx.dtype, kv_cache_dtype)
     reserve = None
     if membudget.mode(ctx.recipe.engine, gpu) == "budget":
         reserve = reserve_stage.reserve_for(ctx.recipe, ctx.run_dir.root, ctx.model_dir, ctx.model_id, ctx.dtype,
@@ -97,7 +98,8 @@ def evaluate_variant(ctx: RunContext, job: ServeJob, spent: Spent) -> None:
 
     recipe, dtype, run, name = ctx.recipe, ctx.dtype, ctx.run_dir, job.name
     vdir = run.variant(name)
-    qh, sh = keys.evaluate_keys(recipe, job.weights_hash, dtype, job.extra_args, job.projected or job.plan, job.numerics)
+    qh, sh = keys.evaluate_keys(recipe, job.weights_hash, dtype, job.launch(recipe, dtype, vdir / "engine.log").options(),
+                                 job.projected or job.plan, job.numerics)
     q, s = _reuse(vdir, name, qh, sh, job.systems_skip)
     if job.systems_skip and s is None:
         s = SystemsResult(variant=name, input_hash=sh, status="skipped", duration_s=0.0,
@@ -117,36 +119,35 @@ def evaluate_variant(ctx: RunContext, job: ServeJob, spent: Spent) -> None:
             resultcache.store(stage, r, vdir, run.root)
 
 
-def engine_extra_args(v, weights_dir: Path, model_dir: Path) -> list[str]:
-    """What a variant changes in the engine command line, on purpose (the rest is identical)."""
-    extra = []
-    if v.kv_cache != "auto":
-        extra += ["--kv-cache-dtype", "fp8"]
-    extra += schemes.engine_args(v.scheme)  # e.g. bnb_nf4: vLLM quantizes as it loads the base weights
-    if not any((weights_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        extra += ["--tokenizer", str(model_dir)]  # imported checkpoints often carry none
-    return extra
+def serve_job(v, weights_dir: Path, model_dir: Path, weights_hash: str, numerics: dict, **kw) -> ServeJob:
+    """One engine's job for a variant: what it changes on purpose (the rest is identical for all)."""
+    own = any((weights_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    return ServeJob(v.name, weights_dir, weights_hash, kv_cache_dtype="fp8" if v.kv_cache != "auto" else "auto",
+                    load_quantization=schemes.SCHEMES[v.scheme].load_quantization,  # e.g. bnb_nf4, at load
+                    tokenizer=None if own else model_dir,  # imported checkpoints often carry none
+                    numerics=numerics, **kw)
 
 
-def variant_format(v, checkpoint: Path | None = None) -> support.Format | None:
+def variant_format(v, checkpoint: Path | None = None) -> Format | None:
     """What the engine will be asked to run; None for a custom recipe until its checkpoint exists
     (and for an example import before it is written)."""
     scheme = schemes.SCHEMES[v.scheme]
     if scheme.imports_checkpoint:
         if checkpoint is None:
             return None
-        fmt = support.checkpoint_format(modelcfg.read(checkpoint))
-        return support.Format(fmt.weights, fmt.kv_fp8 or v.kv_cache != "auto", fmt.detail)
+        fmt = formats.checkpoint_format(modelcfg.read(checkpoint))
+        return Format(fmt.weights, fmt.kv_fp8 or v.kv_cache != "auto", fmt.detail)
     if scheme.user_recipe:
         return None
-    return support.scheme_format(v.scheme, v.kv_cache)
+    return formats.scheme_format(v.scheme, v.kv_cache)
 
 
-def _judge(v, vdir: Path, fmt: support.Format, model_cfg: dict, dtype: str) -> support.Decision:
+def _judge(ctx: RunContext, v, vdir: Path, fmt: Format, model_cfg: dict) -> Decision:
     """The decision, with the compute path it names and the engine environment that realizes it."""
-    decision = support.decide(fmt, model_cfg, dtype=dtype, activations=v.activations)
+    decision = ctx.engine.decide(fmt, model_cfg, dtype=ctx.dtype, activations=v.activations)
     write_json(vdir / "support.json", {**decision.__dict__, "format": fmt.weights, "kv_fp8": fmt.kv_fp8,
-                                       "read_from": fmt.detail, "engine_env": numerics_env(decision.compute)})
+                                       "read_from": fmt.detail, "engine_env": ctx.engine.numerics_env(decision.compute),
+                                       "native_on": ctx.engine.native_on(fmt.weights)})
     if decision.mode == "unsupported":
         say(v.name, f"SKIPPED: {decision.reason}")
     return decision
@@ -159,7 +160,7 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
     scheme = schemes.SCHEMES[v.scheme]
     imported = quantize_stage.checkpoint_of(v, ctx.model_dir, ctx.model_id) if scheme.imports_checkpoint else None
     fmt = variant_format(v, imported)
-    decision = _judge(v, vdir, fmt, model_cfg, ctx.dtype) if fmt else None
+    decision = _judge(ctx, v, vdir, fmt, model_cfg) if fmt else None
     if decision and decision.mode == "unsupported":
         return
     qr = None
@@ -171,40 +172,40 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
     if stop_after == "quantize":  # the ray executor runs evaluation as its own task
         return
     if scheme.user_recipe:
-        fmt = support.checkpoint_format(modelcfg.read(Path(qr.checkpoint_dir)))
-        decision = _judge(v, vdir, fmt, model_cfg, ctx.dtype)
+        fmt = formats.checkpoint_format(modelcfg.read(Path(qr.checkpoint_dir)))
+        decision = _judge(ctx, v, vdir, fmt, model_cfg)
         if decision.mode == "unsupported":
             return
     weights_dir = Path(qr.checkpoint_dir) if qr else ctx.model_dir
-    extra = engine_extra_args(v, weights_dir, ctx.model_dir)
-    numerics = numerics_env(decision.compute)
+    numerics = ctx.engine.numerics_env(decision.compute)
+    kv = "fp8" if v.kv_cache != "auto" else "auto"
     if decision.mode == "emulated":
         say(v.name, f"engine support: {decision.reason}")
         dense = quantize_stage.dense_copy(qr, vdir, spent)
-        evaluate_variant(ctx, ServeJob(
-            v.name, dense, keys.dense_key(qr.input_hash), extra, numerics, systems_skip=decision.reason,
+        evaluate_variant(ctx, serve_job(
+            v, dense, ctx.model_dir, keys.dense_key(qr.input_hash), numerics, systems_skip=decision.reason,
             checkpoint_bytes=qr.checkpoint_bytes,
-            plan=pool_plan(ctx, dense, extra, v.name),  # the dense weights' pool, for quality
-            projected=pool_plan(ctx, dense, extra, v.name, projected_from=weights_dir)), spent)
+            plan=pool_plan(ctx, dense, kv, v.name),  # the dense weights' pool, for quality
+            projected=pool_plan(ctx, dense, kv, v.name, projected_from=weights_dir)), spent)
     else:
-        evaluate_variant(ctx, ServeJob(
-            v.name, weights_dir, qr.input_hash if qr else ctx.model_id, extra, numerics,
-            checkpoint_bytes=qr.checkpoint_bytes if qr else None, plan=pool_plan(ctx, weights_dir, extra, v.name)), spent)
+        evaluate_variant(ctx, serve_job(
+            v, weights_dir, ctx.model_dir, qr.input_hash if qr else ctx.model_id, numerics,
+            checkpoint_bytes=qr.checkpoint_bytes if qr else None, plan=pool_plan(ctx, weights_dir, kv, v.name)), spent)
 
 
-def support_table(recipe: Recipe) -> list[tuple[str, support.Decision]]:
+def support_table(recipe: Recipe) -> list[tuple[str, Decision]]:
     """Each variant's decision on this machine, as far as it is known before quantizing
     (a custom recipe's format is only known once its checkpoint exists)."""
     model_cfg = modelcfg.read(resolve_model(recipe))
-    dtype = provenance.resolve_dtype(recipe.engine.dtype)
-    rows = []
+    dtype = host.resolve_dtype(recipe.engine.dtype)
+    engine, rows = interface.kind(recipe.engine.kind), []
     for v in recipe.variants:
         imports = schemes.SCHEMES[v.scheme].imports_checkpoint
         example = imports and v.checkpoint.startswith("example:")
-        fmt = support.Format("wna16", v.kv_cache != "auto", "example RTN 4-bit") if example else variant_format(
+        fmt = Format("wna16", v.kv_cache != "auto", "example RTN 4-bit") if example else variant_format(
             v, Path(v.checkpoint) if imports else None)
-        rows.append((v.name, support.decide(fmt, model_cfg, dtype=dtype, activations=v.activations) if fmt else support.Decision(
-            "unknown", support.capabilities()["platform_name"], "decided after your recipe writes its checkpoint")))
+        rows.append((v.name, engine.decide(fmt, model_cfg, dtype=dtype, activations=v.activations) if fmt else Decision(
+            "unknown", engine.capabilities()["platform_name"], "decided after your recipe writes its checkpoint")))
     return rows
 
 
@@ -214,6 +215,7 @@ class RunContext:
     def __init__(self, recipe: Recipe, model_dir: Path, model_id: str, dtype: str, run_dir: RunDir):
         self.recipe, self.model_dir, self.model_id = recipe, model_dir, model_id
         self.dtype, self.run_dir = dtype, run_dir
+        self.engine = interface.kind(recipe.engine.kind)  # the engine every variant is served by
 
 
 def run_stage(ctx: RunContext, name: str, stop_after: str | None = None, stage: str = "evaluate") -> None:
@@ -225,7 +227,7 @@ def run_stage(ctx: RunContext, name: str, stop_after: str | None = None, stage: 
     try:
         if name == "baseline":
             evaluate_variant(ctx, ServeJob(name, ctx.model_dir, ctx.model_id,
-                                           plan=pool_plan(ctx, ctx.model_dir, [], name)), spent)
+                                           plan=pool_plan(ctx, ctx.model_dir, "auto", name)), spent)
         else:
             v = next(x for x in ctx.recipe.variants if x.name == name)
             run_variant(ctx, v, vdir, spent, stop_after=stop_after)
@@ -241,7 +243,7 @@ def run_stage(ctx: RunContext, name: str, stop_after: str | None = None, stage: 
 def context(recipe: Recipe, run_root: Path) -> RunContext:
     model_dir = resolve_model(recipe)
     return RunContext(recipe, model_dir, hash_obj(provenance.model_hashes(model_dir)),
-                      provenance.resolve_dtype(recipe.engine.dtype), RunDir(run_root))
+                      host.resolve_dtype(recipe.engine.dtype), RunDir(run_root))
 
 
 def stage_main(recipe: Recipe, recipe_path: Path, run_root: Path, name: str, stage: str) -> int:
@@ -287,12 +289,14 @@ def start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, d
     say("run", f"{'resuming' if resumed else 'new run'}: {run_dir.root}")
     (run_dir.root / "signoff.json").unlink(missing_ok=True)  # never show a stale verdict
     hashes = provenance.model_hashes(model_dir)
-    dtype = provenance.resolve_dtype(recipe.engine.dtype)
+    dtype = host.resolve_dtype(recipe.engine.dtype)
     manifest = {
         "schema_version": 1, "recipe_name": recipe.name, "recipe_hash": recipe_hash, "identity": identity,
         "recipe_file": str(recipe_path), "recipe": recipe.model_dump(mode="json"),
         "model_dir": str(model_dir), "model": hashes, "engine_dtype": dtype,
-        "engine_numerics_env": numerics_env(),  # every engine's, unless a variant's support.json says otherwise
+        "engine_kind": recipe.engine.kind,
+        # every engine's, unless a variant's support.json says otherwise
+        "engine_numerics_env": interface.kind(recipe.engine.kind).numerics_env(),
         "model_note": assets.MODEL_NOTES.get(recipe.model.builtin or "", ""),
         "versions": provenance.versions(), "hardware": provenance.hardware(),
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.console import say
-from pipeline.engines.sensitivity_parts import kept_modules
+from pipeline.engines.workers.sensitivity_parts import kept_modules
 from pipeline.measure import membudget
 from pipeline.recipe.schema import Recipe, VariantSpec
 from pipeline.run import runner

@@ -107,7 +107,7 @@ def builtin_model(name: str) -> Path:
     print(f"[setup] converting {gguf.name} to bf16 safetensors (once; ~1 min)", file=sys.stderr,
           flush=True)
     try:
-        envs.run_module("quantize", "pipeline.engines.convert_gguf", [str(gguf), str(tmp_out)],
+        envs.run_module("quantize", "pipeline.engines.workers.convert_gguf", [str(gguf), str(tmp_out)],
                         work / "convert.log", 3600, "[setup] GGUF conversion")
     except RuntimeError as exc:
         raise AssetError(str(exc)) from None

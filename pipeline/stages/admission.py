@@ -8,16 +8,12 @@ gauges are polled (ramp_step). docs/admission-knee.md explains what counts as qu
 
 from __future__ import annotations
 
-from pipeline.engines import loadgen
-from pipeline.engines.server import SERVED_NAME, Server
-from pipeline.measure import stats
+from pipeline.engines.interface import Engine
+from pipeline.measure import loadgen, stats
 from pipeline.measure.capacity import admitted
 from pipeline.measure.prompts import PromptStream
 from pipeline.progress import Progress
 from pipeline.results import AdmissionProbe, KVCapacity, RampStep
-
-GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-          "vllm:num_preemptions_total")
 
 
 def find_knee(predicted: int, step, beyond: int = 3) -> tuple[int, int | None, int | None]:
@@ -75,7 +71,7 @@ def probe_shape(usable: int, block: int, max_num_seqs: int, max_model_len: int) 
     return bps, bps * block - output, output
 
 
-def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_blocks: int, prompt_blocks: int,
+def ramp_step(server: Engine, prompts: list[list[int]], output: int, usable_blocks: int, prompt_blocks: int,
               max_num_seqs: int, timeout: float, poll_s: float = 0.01) -> RampStep:
     """Send every prompt at once and poll the engine's scheduler gauges while they run, once more the
     moment the last request has its first token (all admitted: a fast engine's step lasts about a
@@ -87,14 +83,14 @@ def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_bloc
     import threading
 
     samples: list[dict] = []
-    start = server.gauges(GAUGES)
+    start = server.gauges()
     done, wake, lock = threading.Event(), threading.Event(), threading.Lock()
     firsts = [0]
 
     def poll() -> None:
         while not done.is_set():
             try:
-                samples.append(server.gauges(GAUGES))
+                samples.append(server.gauges())
             except OSError:
                 pass
             wake.wait(poll_s)
@@ -109,27 +105,27 @@ def ramp_step(server: Server, prompts: list[list[int]], output: int, usable_bloc
     t = threading.Thread(target=poll, daemon=True)
     t.start()
     try:
-        recs, wall = loadgen.run_closed_loop(server.port, SERVED_NAME, prompts, output, len(prompts), timeout,
+        recs, wall = loadgen.run_closed_loop(server.port, server.served_name, prompts, output, len(prompts), timeout,
                                              on_first=on_first)
     finally:
         done.set()
         wake.set()
         t.join()
-    samples.append(server.gauges(GAUGES))
-    preempted = int(samples[-1]["vllm:num_preemptions_total"] - start["vllm:num_preemptions_total"])
+    samples.append(server.gauges())
+    preempted = int(samples[-1]["preemptions"] - start["preemptions"])
 
     def full(g: dict) -> bool:  # no room to admit one more request of the probe shape
-        free = round(usable_blocks * (1 - g["vllm:kv_cache_usage_perc"]))
-        return free < prompt_blocks or g["vllm:num_requests_running"] >= max_num_seqs
+        free = round(usable_blocks * (1 - g["kv_usage"]))
+        return free < prompt_blocks or g["running"] >= max_num_seqs
 
-    queued = preempted > 0 or any(g["vllm:num_requests_waiting"] > 0 and full(g) for g in samples)
-    running = int(max(g["vllm:num_requests_running"] for g in samples))
+    queued = preempted > 0 or any(g["waiting"] > 0 and full(g) for g in samples)
+    running = int(max(g["running"] for g in samples))
     streaming = loadgen.max_streaming(recs)
     ok = [r for r in recs if r.ok]
     p50 = lambda xs: stats.percentiles([x * 1000 for x in xs if x is not None])["p50"]  # noqa: E731
     return RampStep(concurrency=len(prompts), max_running=running, max_streaming=streaming,
-                    max_waiting=int(max(g["vllm:num_requests_waiting"] for g in samples)), preemptions=preempted,
-                    kv_usage_peak=max(g["vllm:kv_cache_usage_perc"] for g in samples) or None, queued=queued,
+                    max_waiting=int(max(g["waiting"] for g in samples)), preemptions=preempted,
+                    kv_usage_peak=max(g["kv_usage"] for g in samples) or None, queued=queued,
                     overlapped=max(running, streaming) >= len(prompts), ttft_p50_ms=p50(r.ttft for r in ok),
                     ttft_max_ms=max((r.ttft * 1000 for r in ok if r.ttft is not None), default=None),
                     tpot_p50_ms=p50(r.tpot for r in ok),
@@ -147,7 +143,7 @@ def poll_interval(last: RampStep | None, lo: float = 0.01, hi: float = 0.05) -> 
     return min(hi, max(lo, last.e2e_p50_ms / 1000 / 20))
 
 
-def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity, timeout: float,
+def admission_probe(server: Engine, stream: PromptStream, engine, kv: KVCapacity, timeout: float,
                     label: str = "", shape: tuple[int, int] | None = None) -> AdmissionProbe | None:
     """The admission knee, measured by a concurrency ramp (find_knee) of one request shape: `shape`
     (prompt, output tokens; the run passes its workload's, so every variant's knee is of the same
@@ -157,7 +153,7 @@ def admission_probe(server: Server, stream: PromptStream, engine, kv: KVCapacity
     are kept and the note says why."""
     if not (kv.num_blocks and kv.block_size):
         return None
-    block, usable = kv.block_size, kv.num_blocks - 1  # vLLM's block pool keeps one as its null block
+    block, usable = kv.block_size, kv.num_blocks - kv.null_blocks
     if shape:
         prompt, output = shape
         bps = -(-(prompt + output) // block)
@@ -221,7 +217,7 @@ def _ramp_note(steps: dict[int, RampStep], kv: KVCapacity, predicted: int, kv_on
     elif knee == predicted:
         left = usable - kv_only * bps
         note = (f"knee as predicted: {knee} ran at once, {first_queued} queued; of the engine's {kv.num_blocks} "
-                "blocks one is vLLM's null block (never holds tokens)"
+                f"blocks {kv.null_blocks} never hold tokens (the engine's null block)"
                 + (f", and {left} block(s) left after whole sequences are too few for one more"
                    if binding == "kv" and left else ""))
     else:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.engines.server import Server
+from pipeline.engines import interface
+from pipeline.engines.interface import Launch
 from pipeline.results import BudgetPlan, QualityResult, SystemsResult
 from pipeline.runstore import write_json
 from pipeline.stages import admission, quality, systems
@@ -29,7 +30,9 @@ class ServeJob:
     name: str
     weights: Path  # the folder the engine loads
     weights_hash: str  # what keys its results
-    extra_args: list[str] = field(default_factory=list)  # engine options this variant changes on purpose
+    kv_cache_dtype: str = "auto"  # what this variant changes on purpose: an FP8 KV cache,
+    load_quantization: str | None = None  # weights quantized by the engine as it loads them,
+    tokenizer: Path | None = None  # the base model's tokenizer where the weights carry none
     numerics: dict | None = None  # the engine environment its compute path needs (None: the default)
     plan: BudgetPlan | None = None  # the KV pool its engine is started with under the memory budget
     projected: BudgetPlan | None = None  # the capacity recorded instead when systems are skipped
@@ -37,10 +40,17 @@ class ServeJob:
     checkpoint_bytes: int | None = None
 
 
-def logprob_args(recipe) -> list[str]:
-    """The drift suite's top-k above vLLM's default cap of 20: raised for every variant alike."""
-    k = recipe.quality.drift.top_k
-    return ["--max-logprobs", str(k)] if "drift" in recipe.quality.suites and k > 20 else []
+    def launch(self, recipe, dtype: str, log_path: Path) -> Launch:
+        """The engine start this job needs: the recipe's engine settings plus what the job changes."""
+        return Launch(self.weights, recipe.engine, dtype, log_path, recipe.model.trust_remote_code,
+                      kv_cache_dtype=self.kv_cache_dtype, load_quantization=self.load_quantization,
+                      tokenizer=self.tokenizer, max_logprobs=max_logprobs(recipe),
+                      kv_pool_bytes=self.plan.pool_bytes if self.plan is not None else None, numerics=self.numerics)
+
+
+def max_logprobs(recipe) -> int | None:
+    """The drift suite's top-k log-probabilities (an engine may cap them lower): asked of every variant alike."""
+    return recipe.quality.drift.top_k if "drift" in recipe.quality.suites else None
 
 
 @dataclass
@@ -83,10 +93,8 @@ def _evaluate(job: ServeJob, recipe, dtype: str, needs: Needs, log, spent):
     q = s = None
     model_dir, variant, vdir, plan = job.weights, job.name, needs.vdir, job.plan
     need_quality, need_systems, tasks_dir = needs.quality, needs.systems, needs.tasks_dir
-    extra_args = list(job.extra_args) + logprob_args(recipe)
-    act_bytes, kv_bytes = provenance.dtype_bytes(dtype), provenance.kv_elem_bytes(dtype, extra_args)
-    server = Server(model_dir, recipe.engine, dtype, vdir / "engine.log", recipe.model.trust_remote_code, extra_args,
-                    kv_pool_bytes=plan.pool_bytes if plan is not None else None, numerics=job.numerics)
+    act_bytes, kv_bytes = provenance.dtype_bytes(dtype), provenance.kv_elem_bytes(dtype, job.kv_cache_dtype)
+    server = interface.kind(recipe.engine.kind).launch(job.launch(recipe, dtype, vdir / "engine.log"))
     if spent is not None:
         spent.engine_starts += 1  # counted whether it then serves or fails
     try:

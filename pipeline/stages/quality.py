@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from pipeline import suites
-from pipeline.engines.server import SERVED_NAME, Server
+from pipeline.engines.interface import Engine
 from pipeline.measure import drift, stats
 from pipeline.progress import Progress
 from pipeline.results import DriftQuality, QualityResult, SliceStat, SuiteQuality
@@ -48,7 +48,7 @@ def quiet_lm_eval_warnings() -> None:
             lg.addFilter(_QuietLmEval())
 
 
-def run_quality(server: Server, model_dir: Path, recipe, variant: str, vdir: Path,
+def run_quality(server: Engine, model_dir: Path, recipe, variant: str, vdir: Path,
                 input_hash: str, tasks_dir: Path) -> QualityResult:
     """Every lm-eval suite in as few lm-eval calls as there are distinct limits, then drift."""
     import lm_eval
@@ -108,7 +108,7 @@ def expected_prompts(tasks_dir: Path, group: list) -> int | None:
     return total
 
 
-def run_lm_eval(server: Server, model_dir: Path, recipe, by_limit: dict, tasks_dir: Path, label: str):
+def run_lm_eval(server: Engine, model_dir: Path, recipe, by_limit: dict, tasks_dir: Path, label: str):
     """One lm-eval call per distinct limit; progress from the engine's own count of finished requests."""
     import threading
 
@@ -128,12 +128,12 @@ def run_lm_eval(server: Server, model_dir: Path, recipe, by_limit: dict, tasks_d
         t1, done = time.perf_counter(), threading.Event()
         bar = Progress("quality: " + ", ".join(r.name for r in group), expected_prompts(tasks_dir, group),
                        "prompts scored", label)
-        start = server.gauges(FINISHED)[FINISHED[0]]
+        start = server.gauges()["finished"]
 
         def poll(bar=bar, start=start, done=done) -> None:
             while not done.wait(2.0):
                 try:
-                    bar.update(int(server.gauges(FINISHED)[FINISHED[0]] - start))
+                    bar.update(int(server.gauges()["finished"] - start))
                 except OSError:
                     pass
 
@@ -154,7 +154,6 @@ def run_lm_eval(server: Server, model_dir: Path, recipe, by_limit: dict, tasks_d
     return samples, configs, timings
 
 
-FINISHED = ("vllm:request_success_total",)
 
 
 def local_completions(model_args: dict):
@@ -171,11 +170,11 @@ def local_completions(model_args: dict):
     return Quiet.create_from_arg_obj(model_args)
 
 
-def lm_eval_model_args(server: Server, model_dir: Path, recipe) -> dict:
+def lm_eval_model_args(server: Engine, model_dir: Path, recipe) -> dict:
     """lm-eval's local-completions against the pipeline's server; the fidelity test gives the
     lm_eval CLI exactly these."""
     q = recipe.quality
-    return dict(model=SERVED_NAME, base_url=server.base_url + "/v1/completions",
+    return dict(model=server.served_name, base_url=server.base_url + "/v1/completions",
                 tokenizer=str(model_dir), tokenizer_backend="huggingface",
                 tokenized_requests=True, num_concurrent=q.num_concurrent, batch_size=q.batch_size,
                 max_retries=2, max_length=recipe.engine.max_model_len, timeout=600)
@@ -261,10 +260,10 @@ def suite_quality(suite, rows: list[dict], metric: str, samples_file: str, sha: 
                         categories=cats, slices=slices, samples_file=samples_file, samples_sha256=sha)
 
 
-def run_drift(server: Server, tok, spec, vdir: Path, label: str = "") -> DriftQuality:
+def run_drift(server: Engine, tok, spec, vdir: Path, label: str = "") -> DriftQuality:
     windows = drift.windows_from_ids(suites.essay_ids(tok), spec.windows, spec.window_tokens)
     with Progress("drift", len(windows), "windows", label) as bar:
-        rows = drift.score_windows(server.port, SERVED_NAME, windows, spec.top_k, on_done=bar.advance)
+        rows = drift.score_windows(server.port, server.served_name, windows, spec.top_k, on_done=bar.advance)
     path = vdir / "samples" / "drift.jsonl"
     text = "".join(json.dumps(r) + "\n" for r in rows)
     atomic_write_text(path, text)

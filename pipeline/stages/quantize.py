@@ -16,12 +16,12 @@ import shutil
 from pathlib import Path
 
 from pipeline.console import say
-from pipeline.engines.quantize_worker import build_recipe
+from pipeline.engines.workers.quantize_worker import build_recipe
 from pipeline.recipe.files import EXAMPLE
 from pipeline.results import QuantizeResult
 from pipeline.runstore import atomic_dir, hash_obj, read_result, weight_bytes, write_json
 from pipeline.schemes import SCHEMES, W4_SCHEMES
-from pipeline.setup import assets, envs
+from pipeline.setup import assets, envs, host
 from pipeline.store import checkpoints, keys, provenance
 
 NOISE = ("No accelerator available",)
@@ -36,7 +36,7 @@ def _spec(recipe, v, model_dir: Path, out: Path, dense_out: Path | None) -> dict
             "calibration_file": str(assets.calibration_text(recipe.calibration.dataset)),
             "num_samples": recipe.calibration.num_samples, "max_seq_len": recipe.calibration.max_seq_len,
             "seed": recipe.engine.seed, "trust_remote_code": recipe.model.trust_remote_code,
-            "calibration_dtype": provenance.resolve_dtype(recipe.calibration.dtype)}
+            "calibration_dtype": host.resolve_dtype(recipe.calibration.dtype)}
     if dense_out is not None:
         spec["dense_out"] = str(dense_out)
     return spec
@@ -73,7 +73,7 @@ def _build(recipe, v, model_dir: Path, vdir: Path, ckpt: Path, also_dense: bool,
         (vdir / "quantize-spec.json").write_text(json.dumps(spec, indent=2))
         say(v.name, f"quantize: {_describe(recipe, v)}")
         (vdir / "quantize-worker.json").unlink(missing_ok=True)
-        envs.run_quantize_env("pipeline.engines.quantize_worker",
+        envs.run_quantize_env("pipeline.engines.workers.quantize_worker",
                               [str(vdir / "quantize-spec.json"), str(vdir / "quantize-worker.json")],
                               vdir / "quantize.log", recipe.calibration.timeout_s, "quantization", spent,
                               hint=" (calibration.timeout_s)", label=v.name, unit="subgraphs",
@@ -140,7 +140,7 @@ def dense_copy(qr: QuantizeResult, vdir: Path, spent) -> Path:
     if (out / "config.json").exists():
         return out
     with atomic_dir(out) as tmp:
-        envs.run_quantize_env("pipeline.engines.dequantize_worker", [qr.checkpoint_dir, str(tmp)],
+        envs.run_quantize_env("pipeline.engines.workers.dequantize_worker", [qr.checkpoint_dir, str(tmp)],
                               vdir / "dequantize.log", 3600, "dequantization", spent, label=qr.variant)
     return out
 

@@ -21,9 +21,9 @@ import socket
 import time
 from pathlib import Path
 
-from pipeline.engines import loadgen
-from pipeline.engines.server import SERVED_NAME, Server
-from pipeline.measure import capacity
+from pipeline.engines import interface
+from pipeline.engines.interface import Engine, Launch
+from pipeline.measure import capacity, loadgen
 from pipeline.measure.prompts import PromptStream
 from pipeline.runstore import hash_obj, write_json
 from pipeline.setup import envs, modelcfg
@@ -108,7 +108,7 @@ def batch(recipe) -> int:
     return min(e.max_num_seqs, max([w.concurrency, *(c.concurrency for c in w.matrix)]))
 
 
-def drive(server: Server, recipe, model_dir: Path) -> None:
+def drive(server: Engine, recipe, model_dir: Path) -> None:
     """The heaviest serving load the run puts on an engine: a max_model_len prompt (its prefill's
     activations), then its largest decode batch. Like vLLM's own memory profiling on GPUs, this is the
     worst case the engine can be sent while serving, so a run's serving peak sits at or below the
@@ -120,18 +120,18 @@ def drive(server: Server, recipe, model_dir: Path) -> None:
     e, w = recipe.engine, recipe.workload
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
     stream = PromptStream(tok)
-    loadgen.run_closed_loop(server.port, SERVED_NAME, stream.take(1, e.max_model_len - 8), 4, 1,
+    loadgen.run_closed_loop(server.port, server.served_name, stream.take(1, e.max_model_len - 8), 4, 1,
                             w.request_timeout_s * 4)
     conc = batch(recipe)
     prompts = stream.take(conc, w.prompt_tokens)
-    loadgen.run_closed_loop(server.port, SERVED_NAME, prompts, w.output_tokens, conc, w.request_timeout_s)
+    loadgen.run_closed_loop(server.port, server.served_name, prompts, w.output_tokens, conc, w.request_timeout_s)
 
 
 def measure(recipe, model_dir: Path, dtype: str, log_path: Path) -> dict:
     """Start the probe engine, drive it, and take the reserve from its peak memory."""
     pool = probe_pool(recipe, modelcfg.read(model_dir), provenance.dtype_bytes(dtype))
-    server = Server(model_dir, recipe.engine, dtype, log_path, recipe.model.trust_remote_code,
-                    kv_pool_bytes=pool)
+    server = interface.kind(recipe.engine.kind).launch(Launch(
+        model_dir, recipe.engine, dtype, log_path, recipe.model.trust_remote_code, kv_pool_bytes=pool))
     with server, server.blamed_for_errors():
         drive(server, recipe, model_dir)
         time.sleep(0.5)  # one more memory sample after the last request

@@ -1,6 +1,6 @@
 """The sensitivity stage: how much quantizing each part alone (a decoder block, a Linear kind, a kind within
 a block) moves the model's next-token predictions, measured in the quantize environment without an engine
-(pipeline/engines/sensitivity_worker.py).
+(pipeline/engines/workers/sensitivity_worker.py).
 
 With `search.sensitivity.method: calibrated` (the default) the base scheme's own llm-compressor recipe runs
 in memory first, so what is measured is what AWQ or GPTQ would leave in each part; `rtn` rounds each part to
@@ -20,8 +20,8 @@ import yaml
 
 from pipeline import schemes, suites
 from pipeline.console import say
-from pipeline.engines import sensitivity_parts
-from pipeline.engines.quantize_worker import build_recipe
+from pipeline.engines.workers import sensitivity_parts
+from pipeline.engines.workers.quantize_worker import build_recipe
 from pipeline.measure import drift
 from pipeline.recipe.search_section import FALLBACK_BITS
 from pipeline.runstore import hash_obj, sha256_file, write_json
@@ -97,7 +97,7 @@ def measure(ctx, spent, threads: int = 0) -> dict:
                       f"{how}, {spec['bits']}-bit g{sp.group_size or 'channel'} grid")
         tmp = out_dir / "sensitivity-worker.json"
         tmp.unlink(missing_ok=True)
-        envs.run_quantize_env("pipeline.engines.sensitivity_worker", [str(out_dir / "sensitivity-spec.json"), str(tmp)],
+        envs.run_quantize_env("pipeline.engines.workers.sensitivity_worker", [str(out_dir / "sensitivity-spec.json"), str(tmp)],
                               out_dir / "sensitivity.log", recipe.calibration.timeout_s, "sensitivity", spent,
                               label="search", count_pattern=r"sensitivity (\d+)/(\d+) ", unit="parts")
         result = json.loads(tmp.read_text())
@@ -109,7 +109,7 @@ def measure(ctx, spent, threads: int = 0) -> dict:
 
 def ranked_parts(result: dict, units: str = "blocks") -> list[dict]:
     """The parts a candidate may keep (recipe.search_section.SearchSpec.units), most sensitive per weight kept first
-    (pipeline/engines/sensitivity_parts.rank)."""
+    (pipeline/engines/workers/sensitivity_parts.rank)."""
     return sensitivity_parts.rank(result["rows"], units)
 
 

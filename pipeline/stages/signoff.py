@@ -13,7 +13,6 @@ import hashlib
 import json
 from pathlib import Path
 
-from pipeline import support
 from pipeline.measure import drift, metrics, stats
 from pipeline.results import (
     GateOutcome,
@@ -194,8 +193,7 @@ def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: 
                                                drift=pd))
     verdict = verdict_of(gates)
     unmeasurable = any(x.outcome == "N/A" and x.severity == "fail" for x in gates)
-    where = support.NATIVE_ON.get((r.support or {}).get("format") or "",
-                                  "hardware where this engine runs the scheme natively")
+    where = (r.support or {}).get("native_on") or "hardware where this engine runs the scheme natively"
     failing = [f"{x.metric}[{x.scope}] {x.outcome}" for x in gates if x.outcome != "PASS"]
     reason = "; ".join(failing + (["no gates declared"] if not gates else [])
                        + ([f"systems not measured: {s.error}"] if s.status == "skipped" else [])

@@ -3,7 +3,7 @@
 The primary cell (the one gates read) and every cell of the workload matrix are driven at
 fixed concurrency over fresh prompts (pipeline/measure/prompts.py); KV capacity is read from the
 engine and computed from the config (pipeline/measure/capacity.py); the weights the engine holds are
-reported from inside it (engines/hooks/sitecustomize.py) and feed the decode roofline. The
+reported from inside it (engines/vllm/hooks/sitecustomize.py) and feed the decode roofline. The
 admission ramp, when the recipe asks for it, is handed in by the caller (stages/admission.py).
 """
 
@@ -14,9 +14,8 @@ import socket
 import time
 from pathlib import Path
 
-from pipeline.engines import loadgen
-from pipeline.engines.server import SERVED_NAME, Server
-from pipeline.measure import capacity, membudget, stats
+from pipeline.engines.interface import Engine, KVLayout
+from pipeline.measure import capacity, loadgen, membudget, stats
 from pipeline.measure.prompts import PromptStream
 from pipeline.progress import Progress
 from pipeline.results import CellResult, KVCapacity, Latency, Roofline, SystemsResult
@@ -24,17 +23,16 @@ from pipeline.runstore import weight_bytes
 from pipeline.setup import modelcfg
 
 
-def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, workload, plan=None) -> KVCapacity:
+def kv_capacity(layout: KVLayout, model_dir: Path, engine, kv_bytes_per_elem: int, workload, plan=None) -> KVCapacity:
     """KV capacity as the engine reports it (blocks x block size) beside the config arithmetic
     (pipeline/measure/capacity.py, cut as vLLM cuts the pool), and the sequences of the workload's shape it
     admits at once; `plan` is how the pool was sized (pipeline/measure/membudget.py)."""
     cfg = modelcfg.read(model_dir)
     tp = engine.tensor_parallel_size
     per_token = capacity.kv_bytes_per_token(cfg, kv_bytes_per_elem, tp)
-    block = int(cache.get("block_size") or 0) or None
-    blocks = int(cache["num_gpu_blocks"]) if cache.get("num_gpu_blocks") not in (None, "None") else None
+    block, blocks = layout.block_size, layout.num_blocks
     pool = plan.pool_bytes if plan is not None and plan.pool_bytes is not None else (
-        int(engine.kv_cache_gib * 2**30) if engine.kv_cache_gib is not None else None)
+        engine.fixed_pool_bytes)
     lay = capacity.layout(cfg, kv_bytes_per_elem, block=block or 16, tp=tp)
     tokens_cfg = lay.tokens(pool) if block and pool is not None else None
     seq_len = workload.prompt_tokens + workload.output_tokens
@@ -43,9 +41,8 @@ def kv_capacity(cache: dict, model_dir: Path, engine, kv_bytes_per_elem: int, wo
     if blocks and block:
         kv_only = capacity.admitted_blocks(blocks, lay.blocks_per_request(seq_len))
         admission = min(kv_only, engine.max_num_seqs)
-    mc = cache.get("kv_cache_max_concurrency")
-    return KVCapacity(block_size=block, num_blocks=blocks, tokens=tokens,
-                      max_concurrency=float(mc) if mc not in (None, "None") else None,
+    return KVCapacity(block_size=block, num_blocks=blocks, null_blocks=layout.null_blocks, tokens=tokens,
+                      max_concurrency=layout.max_concurrency,
                       bytes_per_token_config=per_token, pool_bytes_config=pool,
                       tokens_config=tokens_cfg, admission_sequences=admission, admission_kv_only=kv_only,
                       plan=plan.model_copy() if plan is not None else None)
@@ -61,7 +58,7 @@ def verify_plan(s: SystemsResult, model_dir: Path, engine, kv_bytes_per_elem: in
                      seq_len)
 
 
-def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_hash: str,
+def run_systems(server: Engine, model_dir: Path, recipe, variant: str, input_hash: str,
                 kv_bytes_per_elem: int, act_bytes: int, log=print, probe=None, plan=None) -> SystemsResult:
     """Warm-up, the primary cell, the matrix cells, KV capacity, then `probe` (the admission ramp,
     stages/admission.admission_probe, when the recipe asks for it) on the same prompt stream."""
@@ -73,12 +70,12 @@ def run_systems(server: Server, model_dir: Path, recipe, variant: str, input_has
     stream = PromptStream(tok)
     warm = stream.take(w.warmup_requests, w.prompt_tokens)
     if warm:
-        loadgen.run_closed_loop(server.port, SERVED_NAME, warm, w.output_tokens,
+        loadgen.run_closed_loop(server.port, server.served_name, warm, w.output_tokens,
                                 min(w.concurrency, len(warm)), w.request_timeout_s)
     latency = measure_cell(server, stream, w, w.prompt_tokens, w.output_tokens, w.concurrency, "unique", variant)
     cells = [CellResult(cell=c.model_dump(), latency=Latency(**measure_cell(
         server, stream, w, c.prompt_tokens, c.output_tokens, c.concurrency, c.prefix, variant))) for c in w.matrix]
-    kv = kv_capacity(server.cache_config(), model_dir, recipe.engine, kv_bytes_per_elem, w, plan)
+    kv = kv_capacity(server.kv_layout(), model_dir, recipe.engine, kv_bytes_per_elem, w, plan)
     if kv.num_blocks and kv.block_size:  # admission for every shape of the matrix, too
         for c in cells:
             c.admission_sequences = capacity.admitted(kv.num_blocks, kv.block_size,
@@ -140,7 +137,7 @@ def loaded_weight_bytes(model_dir: Path, engine_elem_bytes: int) -> int:
     return int(weight_bytes(model_dir) * factor)
 
 
-def measure_cell(server: Server, stream: PromptStream, w, prompt_tokens: int, output_tokens: int,
+def measure_cell(server: Engine, stream: PromptStream, w, prompt_tokens: int, output_tokens: int,
                  concurrency: int, prefix: str, label: str = "") -> dict:
     """One cell, `w.repeats` times on fresh prompts (one engine start): the summary of all its
     requests, and each repeat's own percentiles, whose spread gates judge noise against."""
@@ -149,7 +146,7 @@ def measure_cell(server: Server, stream: PromptStream, w, prompt_tokens: int, ou
     bar = Progress(what, w.repeats * w.num_requests, "requests", label)
     for _ in range(w.repeats):
         batch = stream.take(w.num_requests, prompt_tokens, shared_prefix=prefix == "shared")
-        recs, secs = loadgen.run_closed_loop(server.port, SERVED_NAME, batch, output_tokens, concurrency,
+        recs, secs = loadgen.run_closed_loop(server.port, server.served_name, batch, output_tokens, concurrency,
                                              w.request_timeout_s, on_done=bar.advance)
         records += recs
         wall += secs

@@ -12,13 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline import suites
+from pipeline.engines import interface
 from pipeline.runstore import hash_obj, sha256_file
-from pipeline.setup import assets, envs
+from pipeline.setup import assets, envs, host
 from pipeline.store import provenance
 
 ROOT = Path(__file__).resolve().parents[2]
-QUANTIZE_WORKER = ROOT / "pipeline" / "engines" / "quantize_worker.py"
-DEQUANTIZE_WORKER = ROOT / "pipeline" / "engines" / "dequantize_worker.py"
+QUANTIZE_WORKER = ROOT / "pipeline" / "engines" / "workers" / "quantize_worker.py"
+DEQUANTIZE_WORKER = ROOT / "pipeline" / "engines" / "workers" / "dequantize_worker.py"
 SCHEMES = ROOT / "pipeline" / "schemes.py"
 
 # 1: the layout of the keys below (2026-11-30; earlier keys were shaped for compatibility)
@@ -32,21 +33,23 @@ SYSTEMS_KEY_VERSION = 2
 # the code that measures, fingerprinted into each key: a fix to a measurement recomputes exactly the
 # results it measured (the engine-side hook and the server wrapper serve both stages)
 PIPELINE = ROOT / "pipeline"
-ENGINE_SIDE = (PIPELINE / "engines" / "server.py", PIPELINE / "engines" / "hooks" / "sitecustomize.py",
-               PIPELINE / "engines" / "engine_guard.py")
+# the serving engines' code: the interface and every engine kind's folder (not the quantize workers,
+# which key checkpoints instead)
+ENGINE_SIDE = tuple(sorted(p for p in (PIPELINE / "engines").rglob("*.py") if "workers" not in p.parts))
 QUALITY_CODE = (PIPELINE / "stages" / "quality.py", PIPELINE / "suites.py", PIPELINE / "measure" / "drift.py",
                 ROOT / "evalsuites" / "qe_utils.py", *ENGINE_SIDE)
 SYSTEMS_CODE = (PIPELINE / "stages" / "systems.py", PIPELINE / "stages" / "admission.py", PIPELINE / "measure" / "prompts.py",
                 PIPELINE / "measure" / "capacity.py", PIPELINE / "measure" / "membudget.py", PIPELINE / "stages" / "reserve.py",
-                PIPELINE / "engines" / "loadgen.py", PIPELINE / "engines" / "memory.py", *ENGINE_SIDE)
+                PIPELINE / "measure" / "loadgen.py", PIPELINE / "engines" / "memory.py", *ENGINE_SIDE)
 
 
 POOL_FIELDS = ("memory_budget_gib", "kv_cache_gib", "gpu_memory_utilization")
 
 
 def source_hash(*paths: Path) -> str:
-    """One hash of these files' contents (a missing one counts as absent, not as an error)."""
-    return hash_obj([sha256_file(p) for p in paths if p.exists()])
+    """One hash of these files' contents; a file that is not there is an error (a moved module must not
+    silently drop out of every key)."""
+    return hash_obj([sha256_file(p) for p in paths])
 
 
 def quantize_key(recipe, v, model_hash: str) -> str:
@@ -57,7 +60,7 @@ def quantize_key(recipe, v, model_hash: str) -> str:
         "smoothing_strength": v.smoothing_strength if v.scheme == "w8a8_int8" else None,
         "recipe_file": sha256_file(Path(v.recipe)) if v.recipe else None,
         "calibration": recipe.calibration.model_dump(exclude={"timeout_s"}),
-        "calibration_dtype": provenance.resolve_dtype(recipe.calibration.dtype),
+        "calibration_dtype": host.resolve_dtype(recipe.calibration.dtype),
         "calibration_sha256": sha256_file(assets.calibration_text(recipe.calibration.dataset)),
         "seed": recipe.engine.seed, "trust_remote_code": recipe.model.trust_remote_code,
         "quantize_env": envs.requirements_file("quantize").read_text(),
@@ -70,13 +73,12 @@ def dense_key(quantize_key_: str) -> str:
     return hash_obj([quantize_key_, "dense", source_hash(DEQUANTIZE_WORKER)])
 
 
-def _common(recipe, weights_hash: str, dtype: str, extra_args: list[str], numerics: dict | None) -> dict:
-    from pipeline.engines.server import engine_placement, numerics_env  # may run nvidia-smi: only when keys are made
-
+def _common(recipe, weights_hash: str, dtype: str, options: dict, numerics: dict | None) -> dict:
+    kind = interface.kind(recipe.engine.kind)  # its placement may run nvidia-smi: only when keys are made
     engine = recipe.engine.model_dump(exclude={"startup_timeout_s", *POOL_FIELDS})
-    engine["variant_args"] = [a for a in extra_args if not a.startswith("/")]  # paths differ per machine
-    engine["placement"] = engine_placement()
-    engine["numerics_env"] = numerics if numerics is not None else numerics_env()
+    engine["variant_options"] = options  # interface.Launch.options(): what a variant changes on purpose
+    engine["placement"] = kind.placement()
+    engine["numerics_env"] = numerics if numerics is not None else kind.numerics_env()
     return {"weights": weights_hash, "engine": engine, "dtype": dtype,
             "engine_env": envs.requirements_file("engine").read_text(), "hardware": provenance.hardware()}
 
@@ -99,13 +101,13 @@ def systems_key(recipe, common: dict) -> str:
                      "code": source_hash(*SYSTEMS_CODE)})
 
 
-def evaluate_keys(recipe, weights_hash: str, dtype: str, extra_args: list[str], plan=None,
+def evaluate_keys(recipe, weights_hash: str, dtype: str, options: dict, plan=None,
                   numerics: dict | None = None) -> tuple[str, str]:
-    """(quality key, systems key) of one set of weights served with these engine arguments. The KV pool
+    """(quality key, systems key) of one set of weights served with these engine options. The KV pool
     (the budget, a fixed size, and the pool the plan gives this engine) keys systems only: answers do not
     depend on the pool's size, capacity and memory do. numerics: the engine environment that changes what
-    it computes (pipeline/engines/server.py numerics_env; None: the default every engine gets)."""
-    common = _common(recipe, weights_hash, dtype, extra_args, numerics)
+    it computes (the engine kind's numerics_env; None: the default every engine gets)."""
+    common = _common(recipe, weights_hash, dtype, options, numerics)
     pool = recipe.engine.model_dump(include=set(POOL_FIELDS))
     pool["plan"] = plan.model_dump(include={"mode", "budget_bytes", "reserve_bytes", "pool_bytes", "projected"}) \
         if plan is not None else None

@@ -3,7 +3,7 @@
 llm-compressor pins a compressed-tensors release that vllm cannot share, so this file is
 the only one that imports llmcompressor, and it runs as its own process:
 
-    <quantize-env>/bin/python -m pipeline.engines.quantize_worker SPEC.json RESULT.json
+    <quantize-env>/bin/python -m pipeline.engines.workers.quantize_worker SPEC.json RESULT.json
 
 SPEC names the model directory, output directory, scheme, calibration JSONL and sizes;
 RESULT gets wall time, peak RSS, the llm-compressor recipe used and library versions.
@@ -136,7 +136,7 @@ def main(spec_path: str, result_path: str) -> None:
     if not (out / "recipe.yaml").exists():  # the checkpoint must say how it was made
         (out / "recipe.yaml").write_text(recipe_text)
     if spec.get("dense_out"):  # the engine lacks this scheme's kernel: dense copy, same process
-        from pipeline.engines.dequantize_worker import dequantize
+        from pipeline.engines.workers.dequantize_worker import dequantize
 
         dequantize(out, Path(spec["dense_out"]))
     finish(result_path, t0, recipe_text, len(ds), int(sum(len(x) for x in ds["input_ids"])),
@@ -157,5 +157,5 @@ def finish(result_path: str, t0: float, recipe_text: str, sequences: int, tokens
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m pipeline.engines.quantize_worker SPEC.json RESULT.json")
+        sys.exit("usage: python -m pipeline.engines.workers.quantize_worker SPEC.json RESULT.json")
     main(sys.argv[1], sys.argv[2])

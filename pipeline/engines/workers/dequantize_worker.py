@@ -3,11 +3,11 @@
 Reads compressed-tensors (through transformers) and the GPTQ and AWQ-gemm packed formats
 that AutoGPTQ and AutoAWQ wrote (unpacked here; those libraries no longer install).
 
-For an engine that lacks a scheme's kernel (see pipeline/support.py): the dense weights
+For an engine that lacks a scheme's kernel (see pipeline/engines/vllm/support.py): the dense weights
 equal the quantized values exactly (each group still holds at most 2^bits distinct
 values), so quality measured on them is the quantized model's quality.
 
-    <quantize-env>/bin/python -m pipeline.engines.dequantize_worker CHECKPOINT OUT_DIR
+    <quantize-env>/bin/python -m pipeline.engines.workers.dequantize_worker CHECKPOINT OUT_DIR
 """
 
 from __future__ import annotations
@@ -126,5 +126,5 @@ def dequantize_compressed(src: Path, out: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m pipeline.engines.dequantize_worker CHECKPOINT OUT_DIR")
+        sys.exit("usage: python -m pipeline.engines.workers.dequantize_worker CHECKPOINT OUT_DIR")
     dequantize(Path(sys.argv[1]), Path(sys.argv[2]))

