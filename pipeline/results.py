@@ -108,15 +108,15 @@ class RampStep(Model):
     """One step of the admission ramp: `concurrency` requests of the probe shape sent at once."""
 
     concurrency: int
-    max_running: int = Field(description="Most sequences the engine ran at once (the engine's "running" gauge, "
+    max_running: int = Field(description="Most sequences the engine ran at once (the engine's 'running' gauge, "
                              "polled every 10-50 ms and when the last request had its first token).")
     max_streaming: int | None = Field(None, description="Most of the step's requests the client saw streaming at "
                                       "once (first token in, last not yet): a lower bound on the running count "
                                       "that no poll can miss.")
-    max_waiting: int = Field(description="Most requests waiting at once (the engine's "waiting" gauge); also "
+    max_waiting: int = Field(description="Most requests waiting at once (the engine's 'waiting' gauge); also "
                              "non-zero below the knee while the token budget staggers long prompts.")
-    preemptions: int = Field(description="Sequences preempted during the step (the "preemptions" gauge).")
-    kv_usage_peak: float | None = Field(None, description="Peak of the engine's "kv_usage" gauge (0-1).")
+    preemptions: int = Field(description="Sequences preempted during the step (the 'preemptions' gauge).")
+    kv_usage_peak: float | None = Field(None, description="Peak of the engine's 'kv_usage' gauge (0-1).")
     queued: bool = Field(description="A request waited while the pool had no room to admit one more (or "
                          "max_num_seqs were running), or a sequence was preempted: past the knee.")
     overlapped: bool = Field(True, description="All the step's requests were seen running together (by the "
@@ -149,7 +149,7 @@ class AdmissionProbe(Model):
     requests: int = Field(description="Requests sent over the whole ramp.")
     max_running: int = Field(description="Most sequences the engine ran at once over the ramp.")
     preemptions: int = Field(description="Sequences preempted over the whole ramp.")
-    kv_usage_peak: float | None = Field(None, description="Peak of the engine's "kv_usage" gauge (0-1) over the ramp.")
+    kv_usage_peak: float | None = Field(None, description="Peak of the engine's 'kv_usage' gauge (0-1) over the ramp.")
     empirical_tokens: int | None = Field(
         None, description="KV tokens that can hold sequences, measured at the knee step: blocks in use (knee x "
         "blocks per sequence) / the engine's peak usage gauge x block size; KV-bound probes without preemption.")

@@ -59,6 +59,10 @@ EXPECTED = [
     ("cpu-avx512-amx", "awq_w4a16", "auto", SMOLLM2, "bfloat16", "int8", "native", "W4A8"),
     ("cpu-avx512-amx", "gptq_w4a16", "auto", SMOLLM2, "float32", "int8", "unsupported", ""),
     ("cpu-avx512-amx", "w8a8_int8", "auto", SMOLLM2, "bfloat16", "int8", "unsupported", ""),  # W4A8 is for 4-bit
+    # recorded on AMX: in float16 the AMX INT8 and FP8 kernels abort the process rather than refuse
+    ("cpu-avx512-amx", "w8a8_int8", "auto", SMOLLM2, "float16", "auto", "unsupported", ""),
+    ("cpu-avx512-amx", "fp8_block", "auto", TILED, "float16", "auto", "unsupported", ""),
+    ("cpu-avx512-amx", "awq_w4a16", "auto", SMOLLM2, "float16", "auto", "native", "W4A16"),
 ]
 
 
@@ -168,15 +172,43 @@ def test_each_fixture_says_where_its_answers_came_from(kind):
         assert "recorded answers" in d.platform and "reconstructed" not in d.platform
 
 
-def test_this_kinds_fixture_is_what_the_engine_answered():
-    """The fixture of the kind a session recorded is the probe's output verbatim (plus its name)."""
-    rec = json.loads((FIXTURES / "cpu-avx512.json").read_text())
+@pytest.mark.parametrize("kind", ["cpu-avx512", "cpu-avx512-amx"])
+def test_this_kinds_fixture_is_what_the_engine_answered(kind):
+    """The fixtures of the kinds a session recorded are the probe's output verbatim (plus its name)."""
+    rec = json.loads((FIXTURES / f"{kind}.json").read_text())
     assert rec["_source"]["recorded"].startswith("support_probe on") and rec["vllm"] == "0.32.0"
     assert rec["_source"]["reconstructed"] is None
 
 
+def test_a_kernel_that_kills_the_probe_is_an_answer_not_a_lost_probe():
+    """Each kernel is tried in a forked child: an abort (AMX's INT8 kernel in float16) or an illegal
+    instruction is recorded as the answer, a refusal keeps its words, and the other dtypes still answer."""
+    import os
+    import signal
+
+    from pipeline.engines.vllm.support_probe import _isolated
+
+    def aborts(dt):
+        os.abort()
+
+    def illegal(dt):
+        os.kill(os.getpid(), signal.SIGILL)
+
+    def refuses(dt):
+        raise RuntimeError("expect A to be bfloat16 or half.")
+
+    def runs(dt):
+        return f"ran in {dt}"
+
+    assert _isolated(aborts, "float16") == [False, "the kernel killed the process (SIGABRT) in float16: "
+                                                   "the engine would die the same way"]
+    assert "SIGILL" in _isolated(illegal, "bfloat16")[1]
+    assert _isolated(refuses, "float32") == [False, "RuntimeError: expect A to be bfloat16 or half."]
+    assert _isolated(runs, "float32") == [True, "ran in torch.float32"]
+
+
 def test_the_kind_is_named_by_its_features():
-    from pipeline.store.provenance import cpu_kind
+    from pipeline.setup.host import cpu_kind
 
     avx512 = frozenset({"avx2", "avx512f", "avx512_vnni"})
     assert cpu_kind(frozenset({"avx2", "fma"})) == "cpu-avx2"

@@ -92,6 +92,7 @@ class EngineKind(Protocol):
     def capabilities(self) -> dict: ...  # what this engine build can run on this host (asked of it, cached)
     def decide(self, fmt, model_cfg: dict, caps: dict | None = None, dtype: str = "float32",
                activations: str = "auto"): ...  # a formats.Decision
+    def architectures(self) -> set[str] | None: ...  # model classes it serves (None: cannot tell here)
     def native_on(self, weights: str) -> str: ...  # where a weight format runs natively, in words
 
 

@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+from pipeline.engines import interface
 from pipeline.recipe.schema import Recipe
 from pipeline.runstore import weight_bytes
 from pipeline.schemes import W4_SCHEMES
@@ -224,25 +225,17 @@ def for_validate(recipe: Recipe, recipe_path: Path) -> str | None:
     check_budget(recipe, recipe_path, model_dir)
     check_runs_dir(recipe, recipe_path)
     if not recipe.model.builtin:
-        check_architecture(model_dir)
+        check_architecture(recipe, model_dir)
     return None
 
 
-def check_architecture(model_dir: Path) -> None:
+def check_architecture(recipe: Recipe, model_dir: Path) -> None:
     """The engine's own registry knows the model class the config names (validate only: importing the
     engine costs seconds, and a run's engine start says the same a minute later)."""
-    saved = os.dup(2)
-    try:  # the engine's import chatter (platform notices) would break the one-line error
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            from vllm.model_executor.models.registry import ModelRegistry
-    except ImportError:  # validate run outside the engine environment: nothing to ask
+    known = interface.kind(recipe.engine.kind).architectures()
+    if known is None:  # validate run outside the engine environment: nothing to ask
         return
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
     archs = modelcfg.read(model_dir).get("architectures") or []
-    known = set(ModelRegistry.get_supported_archs())
     if not any(a in known for a in archs):
         raise PreflightError(f"{model_dir / 'config.json'}: architectures {archs}: no model class of this engine "
                              "serves it")

@@ -308,15 +308,17 @@ def start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, d
     return RunContext(recipe, model_dir, hash_obj(hashes), dtype, run_dir), manifest
 
 
-def check_base_fits(ctx: RunContext, recipe_path: Path) -> None:
-    """Under a memory budget, the runtime reserve is measured (or read) before any stage, so a budget
-    that cannot hold the base model exits 2 here rather than failing every variant. (The Ray executor's
-    tasks measure it on their node instead.) A probe engine that fails is left to the baseline's stage,
-    which retries it and records the failure as its own."""
+def plan(ctx: RunContext, recipe_path: Path) -> None:
+    """The run's planning stage, before any variant: under a memory budget the runtime reserve is
+    measured by its own probe engine (pipeline/stages/reserve.py, its result in the run folder's
+    reserve.json, its engine log beside it) or read from there, so a budget that cannot hold the base
+    model exits 2 here rather than failing every variant. (The Ray executor's tasks read or measure it on
+    their node instead.) A probe engine that fails is left to the baseline's stage, which retries it and
+    records the failure as its own."""
     if ctx.recipe.executor.kind == "ray":
         return
     try:
-        pool_plan(ctx, ctx.model_dir, [], "baseline")
+        pool_plan(ctx, ctx.model_dir, "auto", "baseline")
     except ValueError as exc:
         raise PreflightError(f"{recipe_path}: {exc}") from None
     except Exception as exc:  # noqa: BLE001
@@ -333,8 +335,9 @@ def _run(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
     prepare_environment()
     check_ray_address(recipe)
     t_run, t_epoch = time.perf_counter(), time.time()
+    # the lifecycle: start (folder, manifest, INCOMPLETE page) -> plan (the reserve) -> variants -> conclude
     ctx, manifest = start(recipe, recipe_path, fresh)
-    check_base_fits(ctx, recipe_path)
+    plan(ctx, recipe_path)
     if recipe.executor.kind == "ray":
         from pipeline.run import ray_executor
 

@@ -306,7 +306,7 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
     runner.prepare_environment()
     t_run, t_epoch = time.perf_counter(), time.time()
     ctx, manifest = runner.start(recipe, recipe_path, fresh)
-    runner.check_base_fits(ctx, recipe_path)
+    runner.plan(ctx, recipe_path)
     timings = runner.run_local(ctx)  # the baseline and the reference variants
     if outcome.read(ctx.run_dir.variant("baseline")).error:
         runner.conclude(ctx, manifest, timings, t_run, t_epoch)

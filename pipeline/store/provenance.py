@@ -29,6 +29,8 @@ def dtype_bytes(dtype: str) -> int:
 
 def kv_elem_bytes(dtype: str, kv_cache_dtype: str = "auto") -> int:
     """Bytes per KV-cache element: one for an FP8 KV cache, else the engine dtype's."""
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: auto or fp8")
     return 1 if kv_cache_dtype == "fp8" else dtype_bytes(dtype)
 
 

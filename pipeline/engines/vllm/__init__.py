@@ -21,6 +21,23 @@ def launch(spec: Launch) -> server.Server:
     return server.Server(spec)
 
 
+def architectures() -> set[str] | None:
+    """The model classes this vLLM build serves (None outside the engine environment)."""
+    import os
+
+    saved = os.dup(2)
+    try:  # the engine's import chatter (platform notices) would break a one-line error
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            from vllm.model_executor.models.registry import ModelRegistry
+    except ImportError:
+        return None
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    return set(ModelRegistry.get_supported_archs())
+
+
 def native_on(weights: str) -> str:
     """Where this engine runs a weight format natively: what cannot be measured here is measured there."""
     return support.NATIVE_ON.get(weights, "hardware where vLLM runs the scheme natively")

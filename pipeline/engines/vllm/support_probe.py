@@ -32,7 +32,8 @@ def _each_dtype(try_one) -> dict:
     """{dtype: [ok, what ran or why not]} for one op, each dtype tried as the engine would call it, each in
     a forked child: some kernels do not refuse a dtype, they kill the process (AMX's INT8 kernel in
     float16 aborts from inside its OpenMP region), and that is an answer too, the one the engine would
-    give on its first request. The parent runs no kernel, so forking it is safe."""
+    give on its first request. The parent runs no kernel, so forking it is safe (a child forked from a
+    process whose OpenMP pool has run can crash for that reason alone: never call this from one)."""
     return {name: _isolated(try_one, name) for name in DTYPES}
 
 
@@ -47,7 +48,7 @@ def _isolated(try_one, name: str, timeout_s: float = 120) -> list:
         try:
             out = [True, _one(try_one, name) or ""]
         except BaseException as exc:  # the op's own refusal is the answer
-            out = [False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]]
+            out = [False, refusal(exc)]
         with os.fdopen(write_fd, "w") as f:
             json.dump(out, f)
         os._exit(0)
@@ -72,6 +73,10 @@ def _isolated(try_one, name: str, timeout_s: float = 120) -> list:
         return json.loads(text)
     except ValueError:
         return [False, f"{try_one.__name__} in {name} exited with status {os.waitstatus_to_exitcode(status)}"]
+
+
+def refusal(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 
 def _one(try_one, name: str):
