@@ -19,6 +19,9 @@ def search_banner(run: Run) -> str:
     s = run.search
     if not s:
         return ""
+    if s.get("error"):
+        return (f'<div class="banner FAIL">SEARCH: NO ANSWER — the search failed: {escape(s["error"])}. '
+                "The variants it measured before that are signed off below.</div>")
     rows = {r["name"]: r for r in s.get("rows", []) + s.get("references", [])}
     answer = rows.get(s.get("answer") or "")
     tried = (f"{s['candidates']} candidate(s) of at most {s['max_builds']} ({s['built_now']} built by this "
@@ -44,7 +47,7 @@ def _ci(pair) -> str:
 
 def search_section(run: Run) -> str:
     s = run.search
-    if not s:
+    if not s or s.get("error"):
         return ""
     rows = []
     for r in s.get("rows", []) + s.get("references", []):

@@ -43,6 +43,30 @@ def test_the_fingerprints_name_the_files_that_measure():
                                     keys.DEQUANTIZE_WORKER, keys.SCHEMES))  # a moved file would drop out unseen
 
 
+def test_every_source_file_a_module_names_exists():
+    """A module that names a file by path (a worker it launches, code that keys a result) must name one
+    that exists: a file moved without its path updated fails a run only after its earlier stages spent
+    their time (the search's sensitivity key once named workers at their old place)."""
+    import importlib
+    import pkgutil
+    from pathlib import Path
+
+    import pipeline
+
+    named = {}
+    for info in pkgutil.walk_packages(pipeline.__path__, "pipeline."):
+        if ".workers." in info.name or info.name.endswith(("__main__", "sitecustomize")):
+            continue  # workers run in the quantize environment; hooks are imported by the engine itself
+        mod = importlib.import_module(info.name)
+        for attr, value in vars(mod).items():
+            for v in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(v, Path) and v.suffix == ".py":
+                    named[f"{info.name}.{attr}"] = v
+    assert "pipeline.stages.sensitivity.CODE" in named and "pipeline.store.keys.QUALITY_CODE" in named
+    missing = {k: str(v) for k, v in named.items() if not v.exists()}
+    assert not missing, missing
+
+
 def test_the_engine_environment_that_changes_numerics_keys_every_result():
     """The same checkpoint computed as W4A8 (VLLM_CPU_INT4_W4A8=1) is another quality and systems result;
     None is the default every engine gets, so it keys the same as asking for it."""

@@ -228,6 +228,36 @@ def test_report_leads_with_the_answer_not_the_candidates_verdict(tmp_path, answe
     assert json.loads((root / "results.json").read_text())["search"]["answer"] == answer
 
 
+def test_a_search_that_fails_after_the_baseline_signs_off_what_it_measured(tmp_path, monkeypatch):
+    """The baseline and references ran: a sensitivity (or ladder) failure ends in a concluded run whose report
+    says the search failed and why, never in a traceback that leaves no report."""
+    import json
+    from types import SimpleNamespace
+
+    from pipeline.run import runner
+    from pipeline.runstore import RunDir
+    from pipeline.search import ladder as lad
+
+    r = minirun.recipe()
+    root = minirun.make_run(tmp_path / "run", r, {"piqa": [1, 0] * 50}, {"piqa": [1, 0] * 50})
+    ctx = SimpleNamespace(run_dir=RunDir(root), recipe=r)
+    concluded = {}
+    monkeypatch.setattr(runner, "prepare_environment", lambda: None)
+    monkeypatch.setattr(runner, "start", lambda *a: (ctx, {}))
+    monkeypatch.setattr(runner, "plan", lambda *a: None)
+    monkeypatch.setattr(runner, "run_local", lambda c: {})
+    monkeypatch.setattr(runner, "conclude", lambda *a, **kw: concluded.update(kw))
+
+    def broken(*a):
+        raise FileNotFoundError("pipeline/engines/sensitivity_worker.py")
+    monkeypatch.setattr(lad.sensitivity, "measure", broken)
+    assert lad._search(r, tmp_path / "x.yaml", False) == 1
+    assert "the search failed: FileNotFoundError" in concluded["headline"]
+    assert json.loads((root / "search" / "search.json").read_text())["error"].startswith("FileNotFoundError")
+    html = render_run(root).read_text()
+    assert "SEARCH: NO ANSWER — the search failed: FileNotFoundError" in html and "Search frontier" not in html
+
+
 def test_parts_rank_by_sensitivity_per_weight_and_overlaps_count_once():
     from pipeline.search.ladder import kept_modules, ladder_length
     from pipeline.stages.sensitivity import linear_modules, ranked_parts

@@ -137,6 +137,8 @@ def searched(tmp_path_factory):
     cmd = [sys.executable, "-m", "pipeline.cli", "search", str(path)]
     first = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env, timeout=1800)
     run_dir = sorted((tmp / "runs").glob("tinysearch-*"))[-1]
+    # a search that died says why in the test's failure, not only in a temporary folder
+    assert (run_dir / "search" / "search.json").exists(), first.stdout[-3000:] + first.stderr[-3000:]
     first_json = json.loads((run_dir / "search" / "search.json").read_text())
     recipe["search"]["max_builds"] = 3  # widen: the two built candidates are reused
     path.write_text(yaml.safe_dump(recipe))

@@ -21,6 +21,7 @@ which k to build next. Exit 0 when a candidate (or reference) passes, 1 when non
 from __future__ import annotations
 
 import time
+import traceback
 from pathlib import Path
 
 import yaml
@@ -311,18 +312,15 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
     if outcome.read(ctx.run_dir.variant("baseline")).error:
         runner.conclude(ctx, manifest, timings, t_run, t_epoch)
         return 1
-    t0, spent = time.time(), Spent()
     try:
-        sens = sensitivity.measure(ctx, spent)
-    finally:
-        outcome.record(ctx.run_dir.root, "search", "sensitivity", t0, spent)
-    ranked = sensitivity.ranked_parts(sens, recipe.search.units)
-    modules = sensitivity.linear_modules(sens)
-    t_ladder = time.perf_counter()
-    rows = ladder(recipe.search, ranked, _gate_floor(recipe, "top1_agreement"),
-                  lambda fallback, k: _candidate(ctx, manifest, ranked, modules, fallback, k),
-                  lambda fallback: ladder_length(ranked, modules, fallback), sens)
-    timings["search ladder"] = time.perf_counter() - t_ladder
+        sens, ranked, rows = _measure_and_climb(ctx, manifest, recipe, timings)
+    except Exception as exc:  # noqa: BLE001 - the baseline and references are measured: sign them off, say why
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {exc}"[:300]
+        write_json(ctx.run_dir.root / "search" / "search.json", {"error": error, "answer": None})
+        runner.conclude(ctx, manifest, timings, t_run, t_epoch, extra={"search": {"error": error}},
+                        headline=f"SEARCH: NO ANSWER (the search failed: {error}); the measured variants' verdicts follow")
+        return 1
     manifest["recipe"] = ctx.recipe.model_dump(mode="json")  # the candidates are the run's variants now
     try:
         refs = [row_of(ctx, v.name, _judge(ctx, manifest, v), "reference") for v in recipe.variants]
@@ -336,6 +334,25 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
         headline = f"SEARCH: NO ANSWER (the summary failed: {summary['error']}); each candidate's verdict follows"
     runner.conclude(ctx, manifest, timings, t_run, t_epoch, extra={"search": summary}, headline=headline)
     return 0 if answer else 1
+
+
+def _measure_and_climb(ctx, manifest: dict, recipe: Recipe, timings: dict) -> tuple[dict, list[dict], list[dict]]:
+    """Layer sensitivity, then the ladder of candidates it ranks."""
+    t0, spent = time.time(), Spent()
+    try:
+        sens = sensitivity.measure(ctx, spent)
+    finally:
+        outcome.record(ctx.run_dir.root, "search", "sensitivity", t0, spent)
+    ranked = sensitivity.ranked_parts(sens, recipe.search.units)
+    modules = sensitivity.linear_modules(sens)
+    t_ladder = time.perf_counter()
+    try:
+        rows = ladder(recipe.search, ranked, _gate_floor(recipe, "top1_agreement"),
+                      lambda fallback, k: _candidate(ctx, manifest, ranked, modules, fallback, k),
+                      lambda fallback: ladder_length(ranked, modules, fallback), sens)
+    finally:
+        timings["search ladder"] = time.perf_counter() - t_ladder
+    return sens, ranked, rows
 
 
 def _answer(ctx, recipe: Recipe, recipe_path: Path, ranked, sens, rows, refs, answer) -> dict:

@@ -28,8 +28,8 @@ from pipeline.runstore import hash_obj, sha256_file, write_json
 from pipeline.setup import assets, envs
 from pipeline.store import keys
 
-WORKER = keys.PIPELINE / "engines" / "sensitivity_worker.py"
-CODE = (WORKER, keys.PIPELINE / "engines" / "sensitivity_parts.py", keys.QUANTIZE_WORKER)
+WORKER = keys.PIPELINE / "engines" / "workers" / "sensitivity_worker.py"
+CODE = (WORKER, Path(sensitivity_parts.__file__), keys.QUANTIZE_WORKER)
 KEY_VERSION = 2
 # the emulated curve: the all-quantized model with the top parts kept, at these fractions of their weights
 CURVE = [0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.8]
