@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -56,6 +57,9 @@ class Launch:
     kv_pool_bytes: int | None = None  # None: the engine sizes its pool itself
     numerics: dict[str, str] | None = None  # the engine environment of the compute path (EngineKind.numerics_env)
     extra: list[str] = field(default_factory=list)  # engine-specific options a test or benchmark adds
+    # where a start says what it is doing while it is not ready yet (the run's console), so a long start
+    # is never a silent one; None: silent. Not part of what the start depends on.
+    say: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
 
     def options(self) -> dict:
         """What this launch changes on purpose, as keyed into results (paths differ per machine)."""

@@ -15,6 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import progress
 from pipeline.engines import interface
 from pipeline.engines.interface import Launch
 from pipeline.results import BudgetPlan, QualityResult, SystemsResult
@@ -40,12 +41,14 @@ class ServeJob:
     checkpoint_bytes: int | None = None
 
 
-    def launch(self, recipe, dtype: str, log_path: Path) -> Launch:
-        """The engine start this job needs: the recipe's engine settings plus what the job changes."""
+    def launch(self, recipe, dtype: str, log_path: Path, say=None) -> Launch:
+        """The engine start this job needs: the recipe's engine settings plus what the job changes (and where
+        its start reports progress: `say`, not part of what it depends on)."""
         return Launch(self.weights, recipe.engine, dtype, log_path, recipe.model.trust_remote_code,
                       kv_cache_dtype=self.kv_cache_dtype, load_quantization=self.load_quantization,
                       tokenizer=self.tokenizer, max_logprobs=max_logprobs(recipe),
-                      kv_pool_bytes=self.plan.pool_bytes if self.plan is not None else None, numerics=self.numerics)
+                      kv_pool_bytes=self.plan.pool_bytes if self.plan is not None else None, numerics=self.numerics,
+                      say=say)
 
 
 def max_logprobs(recipe) -> int | None:
@@ -94,7 +97,8 @@ def _evaluate(job: ServeJob, recipe, dtype: str, needs: Needs, log, spent):
     model_dir, variant, vdir, plan = job.weights, job.name, needs.vdir, job.plan
     need_quality, need_systems, tasks_dir = needs.quality, needs.systems, needs.tasks_dir
     act_bytes, kv_bytes = provenance.dtype_bytes(dtype), provenance.kv_elem_bytes(dtype, job.kv_cache_dtype)
-    server = interface.kind(recipe.engine.kind).launch(job.launch(recipe, dtype, vdir / "engine.log"))
+    server = interface.kind(recipe.engine.kind).launch(
+        job.launch(recipe, dtype, vdir / "engine.log", say=None if progress.quiet() else log))
     if spent is not None:
         spent.engine_starts += 1  # counted whether it then serves or fails
     try:

@@ -21,6 +21,7 @@ import socket
 import time
 from pathlib import Path
 
+from pipeline import progress
 from pipeline.engines import interface
 from pipeline.engines.interface import Engine, Launch
 from pipeline.measure import capacity, loadgen
@@ -80,7 +81,8 @@ def reserve_for(recipe, run_root: Path, model_dir: Path, model_hash: str, dtype:
             log("runtime reserve: measuring with a probe engine (once per model, engine settings and host)")
             t0, t_perf = time.time(), time.perf_counter()
             try:
-                d = {"key": key, **measure(recipe, model_dir, dtype, run_root / "reserve-engine.log")}
+                d = {"key": key, **measure(recipe, model_dir, dtype, run_root / "reserve-engine.log",
+                                           say=None if progress.quiet() else log)}
             finally:  # the probe engine counts in the run's engine starts and busy seconds
                 outcome.record(run_root, "baseline", "reserve", t0, Spent(1, time.perf_counter() - t_perf))
             with contextlib.suppress(OSError):
@@ -127,13 +129,17 @@ def drive(server: Engine, recipe, model_dir: Path) -> None:
     loadgen.run_closed_loop(server.port, server.served_name, prompts, w.output_tokens, conc, w.request_timeout_s)
 
 
-def measure(recipe, model_dir: Path, dtype: str, log_path: Path) -> dict:
-    """Start the probe engine, drive it, and take the reserve from its peak memory."""
+def measure(recipe, model_dir: Path, dtype: str, log_path: Path, say=None) -> dict:
+    """Start the probe engine, drive it, and take the reserve from its peak memory (`say`: where the probe
+    reports its steps)."""
     pool = probe_pool(recipe, modelcfg.read(model_dir), provenance.dtype_bytes(dtype))
     server = interface.kind(recipe.engine.kind).launch(Launch(
-        model_dir, recipe.engine, dtype, log_path, recipe.model.trust_remote_code, kv_pool_bytes=pool))
+        model_dir, recipe.engine, dtype, log_path, recipe.model.trust_remote_code, kv_pool_bytes=pool, say=say))
     with server, server.blamed_for_errors():
-        drive(server, recipe, model_dir)
+        if say is not None:
+            say(f"runtime reserve: probe engine ready in {server.start_s:.0f} s; serving its heaviest load")
+        with progress.Heartbeat("runtime reserve: heaviest load", label="reserve"):
+            drive(server, recipe, model_dir)
         time.sleep(0.5)  # one more memory sample after the last request
         server.stop()
     loaded = server.loaded_weights()

@@ -33,6 +33,25 @@ METRICS = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests
            "kv_usage": "vllm:kv_cache_usage_perc", "preemptions": "vllm:num_preemptions_total",
            "finished": "vllm:request_success_total"}
 NULL_BLOCKS = 1  # vLLM's block pool keeps one block as its null block: it never holds tokens
+# what the engine log shows of a start, in the order it happens; the last marker present names the phase
+# a start is in, so a slow start says where its time goes (most of it is Python importing vLLM, twice:
+# the API server, then the engine core process it spawns)
+START_PHASES = (("(APIServer", "API server up; the engine core process is importing vLLM"),
+                ("Initializing a V1 LLM engine", "engine core initializing"),
+                ("Starting to load model", "loading weights"),
+                ("Loading weights took", "weights loaded; sizing the KV pool"),
+                ("KV cache size", "KV pool allocated; warming up"),
+                ("init engine", "engine core ready; the API server is finishing its start"))
+HEARTBEAT_S = 10.0  # at most this long without a line while an engine starts
+
+
+def start_phase(log_text: str) -> str:
+    """Where a start is, read from what its engine log holds so far."""
+    phase = "importing vLLM"
+    for marker, name in START_PHASES:
+        if marker in log_text:
+            phase = name
+    return phase
 
 
 def engine_args(engine, dtype: str, kv_pool_bytes: int | None = None) -> list[str]:
@@ -202,6 +221,12 @@ class Server:
                                   f"client saw {type(exc).__name__})") from exc
             raise
 
+    def _log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
     def _log_tail(self, n: int = 3) -> str:
         try:
             lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
@@ -211,8 +236,11 @@ class Server:
         return " | ".join((errs or lines)[-n:])[-600:]
 
     def _wait_ready(self, t0: float) -> None:
-        deadline = t0 + self.engine.startup_timeout_s
-        while time.perf_counter() < deadline:
+        deadline, next_say = t0 + self.engine.startup_timeout_s, t0 + HEARTBEAT_S
+        while (now := time.perf_counter()) < deadline:
+            if self.spec.say is not None and now >= next_say:
+                self.spec.say(f"engine start: {now - t0:.0f} s so far ({start_phase(self._log_text())})")
+                next_say = now + HEARTBEAT_S
             if self.proc.poll() is not None:
                 raise EngineError(f"engine exited with code {self.proc.returncode} while starting: "
                                   f"{self._log_tail()} (log: {self.log_path})")
