@@ -215,7 +215,7 @@ class Server:
         try:
             yield
         except Exception as exc:
-            log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+            log = self._log_text()
             if (self.proc is not None and self.proc.poll() is not None) or "encountered a fatal error" in log:
                 raise EngineError(f"the engine failed while serving: {self._log_tail()} (log: {self.log_path}; "
                                   f"client saw {type(exc).__name__})") from exc
@@ -228,10 +228,7 @@ class Server:
             return ""
 
     def _log_tail(self, n: int = 3) -> str:
-        try:
-            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            return ""
+        lines = [ln for ln in self._log_text().splitlines() if ln.strip()]
         errs = [ln for ln in lines if "Error" in ln or "error" in ln]
         return " | ".join((errs or lines)[-n:])[-600:]
 
@@ -288,12 +285,8 @@ class Server:
     def loaded_weights(self) -> dict | None:
         """Bytes of parameters and buffers the engine holds once its model is loaded (the
         QE-WEIGHTS line of hooks/sitecustomize.py), or None if the engine did not report them."""
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return None
         ranks: dict = {}
-        for ln in lines:
+        for ln in self._log_text().splitlines():
             if "QE-WEIGHTS " in ln:
                 try:
                     d = json.loads(ln.split("QE-WEIGHTS ", 1)[1])
