@@ -34,3 +34,26 @@ def build(out: Path, seed: int = 0) -> Path:
         if (tok_src / name).exists():
             shutil.copy(tok_src / name, out / name)
     return out
+
+
+def build_hybrid(out: Path, seed: int = 0) -> Path:
+    """A tiny Gemma-3-shaped text model: 5 sliding-window layers to 1 global, window 32 tokens (below any
+    max_model_len a test serves), one KV head: the layout vLLM cuts into groups that share one pool."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    if (out / "config.json").exists():
+        return out
+    tok_src = assets.builtin_model("smollm2-135m-instruct")
+    cfg = Gemma3TextConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=32,
+                           max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    assert cfg.layer_types.count("sliding_attention") == 5
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(cfg).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tok_src / name).exists():
+            shutil.copy(tok_src / name, out / name)
+    return out

@@ -48,14 +48,21 @@ def kv_capacity(layout: KVLayout, model_dir: Path, engine, kv_bytes_per_elem: in
                       plan=plan.model_copy() if plan is not None else None)
 
 
-def verify_plan(s: SystemsResult, model_dir: Path, engine, kv_bytes_per_elem: int, seq_len: int) -> None:
-    """The pool plan beside what the engine did: its KV tokens, the weights it loaded, its peak memory."""
+def verify_plan(s: SystemsResult, model_dir: Path, engine, kv_bytes_per_elem: int, seq_len: int,
+                sizing: dict | None = None) -> None:
+    """The pool plan beside what the engine did: the pool it chose (`sizing`: how), its KV tokens, the
+    weights it loaded, its peak memory."""
     if s.kv is None or s.kv.plan is None:
         return
     membudget.verify(s.kv.plan, modelcfg.read(model_dir), kv_bytes_per_elem, engine.tensor_parallel_size,
                      s.kv.block_size, s.kv.tokens, (s.weight_memory or {}).get("parameters"),
                      s.peak_memory_hwm_bytes or s.peak_memory_bytes,
-                     seq_len)
+                     seq_len, sizing)
+    logged = (sizing or {}).get("pool_bytes_logged")
+    if logged is not None and s.kv.block_size:  # the arithmetic on the pool the engine logged it chose
+        lay = capacity.layout(modelcfg.read(model_dir), kv_bytes_per_elem, block=s.kv.block_size,
+                              tp=engine.tensor_parallel_size)
+        s.kv.pool_bytes_config, s.kv.tokens_config = logged, lay.tokens(logged)
 
 
 def run_systems(server: Engine, model_dir: Path, recipe, variant: str, input_hash: str,
