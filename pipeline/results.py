@@ -178,6 +178,9 @@ class BudgetPlan(Model):
     overhead_source: str = ""
     predicted_pool_bytes: int | None = Field(None, description="budget - outside - weights - runtime: the pool "
                                              "predicted before the engine sized its own.")
+    predicted_tokens: int | None = Field(None, description="KV tokens of the predicted pool (whole blocks): what a "
+                                         "projected variant is compared with.")
+    predicted_admitted: int | None = Field(None, description="Requests of the workload's shape the predicted pool holds.")
     sizing: dict | None = Field(None, description="What the engine was asked and decided (fraction, the node memory "
                                 "it read, its request, its non-KV memory: engines/vllm/sizing.py).")
     reserve_bytes: int | None = Field(None, description="Runs before engine sizing: the measured runtime reserve.")
@@ -193,6 +196,10 @@ class BudgetPlan(Model):
     peak_bytes: int | None = Field(None, description="Peak memory of the engine's process tree, beside the budget.")
     tolerance_bytes: int | None = Field(None, description="How far over the budget a peak may go before the variant's "
                                         "capacity is marked over budget (membudget.tolerance).")
+    across: list[dict] | None = Field(None, description="Capacity over budgets around the run's (membudget.across_budgets): "
+                                      "budget_bytes, pool_bytes, tokens, requests (the KV bound at the workload's shape), "
+                                      "measured (the engine's own pool) or not (arithmetic on this engine's measured "
+                                      "non-KV memory).")
 
     @property
     def loaded_bytes(self) -> int | None:

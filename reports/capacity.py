@@ -51,6 +51,17 @@ def memory_as_loaded(v: Variant) -> tuple[float | None, bool]:
     return float(weights + plan.pool_bytes), plan.projected
 
 
+def baseline_fits(base: Variant | None, how: str) -> float | None:
+    """What a variant's requests that fit are divided by: the baseline's, found the same way; a projection
+    is compared with the baseline's own prediction (the same arithmetic), never with its measurement."""
+    if base is None:
+        return None
+    if how == "projected":
+        bp = plan_of(base)
+        return float(bp.predicted_admitted) if bp and bp.predicted_admitted else None
+    return requests_that_fit(base)[0]
+
+
 def over_budget(v: Variant) -> int | None:
     """Bytes by which this variant's engine peaked over its budget beyond the tolerance (None: it kept it)."""
     plan = plan_of(v)
@@ -59,7 +70,8 @@ def over_budget(v: Variant) -> int | None:
 
 def _budget_words(plan: BudgetPlan) -> str:
     if plan.mode == "budget":
-        return f"budget {plan.budget_bytes / 2**30:.2f} GiB"
+        derived = plan.budget_source.startswith("derived")
+        return f"budget {plan.budget_bytes / 2**30:.2f} GiB" + (f" ({escape(plan.budget_source)})" if derived else "")
     if plan.mode == "gpu":
         return escape(plan.budget_source)
     return f"a fixed {plan.pool_bytes / 2**30:.2f} GiB KV pool (weight savings do not show as capacity)"
@@ -74,19 +86,27 @@ def tradeoff_line(run: Run, name: str, v: Variant) -> str:
     overall, worst slice S Δ [CI]', as far as it was measured."""
     base = run.variants.get("baseline")
     mine, how = requests_that_fit(v)
-    theirs, _ = requests_that_fit(base) if base else (None, "")
+    theirs = baseline_fits(base, how)
     wl = (base.systems.workload if base and base.systems else {}) or {}
     plan = plan_of(v)
     over = [n for n, x in (("this variant", v), ("the baseline", base)) if x and over_budget(x)]
-    if over:
+    if plan is None:
+        fits = "capacity not measured"
+    elif over:
         fits = (f"<b>capacity not earned</b>: {' and '.join(over)} peaked over the budget "
                 f"(the capacity table says by how much)")
     elif mine is not None and theirs:
         shape = f"{wl.get('prompt_tokens')}/{wl.get('output_tokens')}"
         fits = (f"fits <b>{mine / theirs:.2f}×</b> the baseline's concurrent requests of shape {shape} tokens "
-                f"({mine:.0f} vs {theirs:.0f}, {how}) under {_budget_words(plan) if plan else 'the same engine'}")
+                f"({mine:.0f} vs {theirs:.0f}, {how}{'; the baseline predicted alike' if how == 'projected' else ''}) "
+                f"under {_budget_words(plan) if plan else 'the same engine'}")
         if how == "projected":
             fits = f"{PROJECTED}: " + fits
+        elif plan and plan.mode == "budget" and base and base.measured and base.measured.kv and v.measured and \
+                v.measured.kv and v.measured.kv.tokens and base.measured.kv.tokens:
+            freed = v.measured.kv.tokens - base.measured.kv.tokens
+            fits += (f", {freed:+,} KV tokens against the baseline's (a difference of pools, the same at any "
+                     "budget both fit: capacity across budgets is charted)")
     else:
         fits = "capacity not measured"
     paired = run.paired(name)
@@ -115,7 +135,7 @@ def _row(name: str, v: Variant, base: Variant | None) -> list[str]:
     tag = f" {PROJECTED}" if plan.projected else ""
     engine_tokens = "–" if plan.projected else fmt(plan.engine_tokens)
     fits, how = requests_that_fit(v)
-    theirs, _ = requests_that_fit(base) if base else (None, "")
+    theirs = baseline_fits(base, how)
     ratio = f"{fits / theirs:.2f}×" if fits is not None and theirs else "–"
     peak, over_by = plan.peak_bytes, over_budget(v)
     over = (f" <b>over budget by {mib(over_by)}: capacity not earned</b>" if over_by else "")

@@ -93,6 +93,33 @@ def tolerance(budget_bytes: int) -> int:
     return max(64 * 2**20, budget_bytes // 50)
 
 
+def run_budget(engine, cfg: dict, base_dir: Path, engine_elem_bytes: int, kv_elem_bytes: int,
+               overhead: dict) -> tuple[int, str]:
+    """The budget every engine of the run shares, and where it came from: the recipe's
+    engine.memory_budget_gib; else the default, raised where the base model needs more to serve a full
+    batch (max_num_seqs sequences of max_model_len tokens) beside its weights and its runtime, so a
+    default serves any model the machine can hold (rounded up to 0.25 GiB; a machine that cannot hold it
+    fails at the engine's start, naming what its node has)."""
+    if engine.memory_budget_gib is not None:
+        return int(engine.memory_budget_gib * GIB), "engine.memory_budget_gib"
+    tp = engine.tensor_parallel_size
+    lay = capacity.layout(cfg, kv_elem_bytes, block=CPU_BLOCK, tp=tp)
+    weights = weights_as_loaded(base_dir, engine_elem_bytes, tp)
+    need = (int(overhead["outside_bytes"]) + int(overhead["runtime_bytes"]) + weights
+            + lay.pool_for(engine.max_model_len, engine.max_num_seqs))
+    quarter = GIB // 4
+    derived = -(-need // quarter) * quarter
+    default = int(engine.budget_gib * GIB)
+    if derived <= default:
+        return default, (f"the default {engine.budget_gib:g} GiB (no engine.memory_budget_gib; the base model with "
+                         f"a full batch of {engine.max_num_seqs} x {engine.max_model_len} tokens needs "
+                         f"{need / GIB:.2f} GiB)")
+    return derived, (f"derived: no engine.memory_budget_gib, and the base model with a full batch of "
+                     f"{engine.max_num_seqs} x {engine.max_model_len} tokens needs {need / GIB:.2f} GiB (weights "
+                     f"{weights / GIB:.2f} + runtime and what the engine's sizing does not count), above the "
+                     f"default {engine.budget_gib:g} GiB")
+
+
 def plan(engine, cfg: dict, weights_dir: Path, engine_elem_bytes: int, kv_elem_bytes: int, gpu: bool,
          overhead: dict | None = None, projected_from: Path | None = None, seq_len: int | None = None) -> BudgetPlan:
     """The pool one engine is predicted to get and the capacity that predicts. `overhead` is
@@ -110,7 +137,8 @@ def plan(engine, cfg: dict, weights_dir: Path, engine_elem_bytes: int, kv_elem_b
     elif m == "budget":
         if overhead is None:
             raise ValueError("budget mode needs the engine-overhead figures (measure/overhead.py)")
-        p.budget_bytes = int(engine.budget_gib * GIB)
+        p.budget_bytes = int(overhead.get("budget_bytes") or engine.budget_gib * GIB)
+        p.budget_source = overhead.get("budget_source", "engine.memory_budget_gib")
         p.tolerance_bytes = tolerance(p.budget_bytes)
         p.outside_bytes, p.runtime_bytes = int(overhead["outside_bytes"]), int(overhead["runtime_bytes"])
         p.overhead_source = overhead["source"]
@@ -118,9 +146,9 @@ def plan(engine, cfg: dict, weights_dir: Path, engine_elem_bytes: int, kv_elem_b
     else:  # gpu: vLLM sizes the pool from its own profiling
         p.budget_source = f"gpu_memory_utilization {engine.gpu_memory_utilization} of the device"
         return p
-    p.tokens = lay.tokens(p.pool_bytes)
+    p.tokens = p.predicted_tokens = lay.tokens(p.pool_bytes)
     if seq_len:
-        p.admitted = lay.admitted(p.pool_bytes, seq_len)
+        p.admitted = p.predicted_admitted = lay.admitted(p.pool_bytes, seq_len)
     return p
 
 
@@ -134,7 +162,8 @@ def check_fits(p: BudgetPlan, cfg: dict, engine, kv_elem_bytes: int, who: str) -
     if p.pool_bytes < one:
         need = (p.budget_bytes - p.pool_bytes) + one
         raise ValueError(
-            f"engine.memory_budget_gib: {engine.budget_gib:g} GiB cannot hold {who}: weights "
+            f"engine.memory_budget_gib: {engine.memory_budget_gib or round(p.budget_bytes / GIB, 2):g} GiB cannot "
+            f"hold {who}: weights "
             f"{p.weights_bytes / GIB:.2f} GiB + engine runtime {p.runtime_bytes / GIB:.2f} GiB + outside its "
             f"sizing {p.outside_bytes / GIB:.2f} GiB + one {engine.max_model_len}-token sequence "
             f"{one / GIB:.3f} GiB need {need / GIB:.2f} GiB ({need} bytes)")
@@ -159,6 +188,33 @@ def verify(p: BudgetPlan, cfg: dict, kv_elem_bytes: int, tp: int, engine_block: 
         p.tokens = engine_tokens
     if p.pool_bytes is not None and seq_len and p.mode != "gpu":
         p.admitted = lay.admitted(p.pool_bytes, seq_len)
+
+
+SWEEP = (0.5, 0.75, 1.0, 1.5, 2.0)  # budgets drawn, as multiples of the run's
+
+
+def across_budgets(p: BudgetPlan, cfg: dict, kv_elem_bytes: int, tp: int, seq_len: int, max_model_len: int) -> list[dict]:
+    """This variant's capacity over budgets around the run's, from the smallest that serves one
+    max_model_len sequence: at the run's budget the pool its engine chose (measured); at the others the
+    arithmetic pool(B) = B - outside - the non-KV memory its engine's worker held (read back from its log),
+    which is how the engine would size itself there. Requests: the KV bound at the workload's shape (before
+    max_num_seqs), so what a budget buys stays visible. Empty where the engine did not size its own pool."""
+    non_kv = (p.sizing or {}).get("non_kv_bytes")
+    if p.mode != "budget" or non_kv is None or p.outside_bytes is None or p.pool_bytes is None:
+        return []
+    lay = capacity.layout(cfg, kv_elem_bytes, block=p.block_size, tp=tp)
+    kept = p.outside_bytes + non_kv
+    step = GIB // 16
+    smallest = -(-(kept + lay.pool_for(max_model_len)) // step) * step
+    budgets = sorted({smallest, p.budget_bytes} | {int(p.budget_bytes * f) for f in SWEEP})
+    out = []
+    for b in budgets:
+        if b < smallest:
+            continue
+        pool = p.pool_bytes if b == p.budget_bytes else b - kept
+        out.append({"budget_bytes": b, "pool_bytes": pool, "tokens": lay.tokens(pool),
+                    "requests": lay.admitted(pool, seq_len), "measured": b == p.budget_bytes})
+    return out
 
 
 def projected_capacity(p: BudgetPlan) -> KVCapacity:

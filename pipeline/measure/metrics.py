@@ -166,8 +166,11 @@ def _kept_budget(both: tuple[SystemsResult, SystemsResult]) -> tuple[SystemsResu
 
 
 def _base_plan_tokens(inp: Inputs) -> int | None:
+    """The baseline's tokens by the same arithmetic a projection uses (its predicted pool), never its
+    engine's measured figure: projections are compared with projections."""
     b = inp.base_systems
-    return b.kv.tokens if b and b.kv else None
+    plan = b.kv.plan if b and b.kv else None
+    return plan.predicted_tokens if plan is not None else None
 
 
 def kv_tokens_ratio(inp: Inputs, scope: str) -> Measured:

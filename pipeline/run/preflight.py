@@ -82,7 +82,10 @@ def _base_plan(recipe: Recipe, model_dir: Path):
     cfg = modelcfg.read(model_dir)
     w = recipe.workload
     try:
-        p = membudget.plan(recipe.engine, cfg, model_dir, act, act, False, overhead.host_figures(dtype),
+        figures = overhead.host_figures(dtype)
+        budget, source = membudget.run_budget(recipe.engine, cfg, model_dir, act, act, figures)
+        p = membudget.plan(recipe.engine, cfg, model_dir, act, act, False,
+                           {**figures, "budget_bytes": budget, "budget_source": source},
                            seq_len=w.prompt_tokens + w.output_tokens)
     except KeyError:  # a config without the attention shapes: the engine's start will say what is wrong
         return None
@@ -114,7 +117,8 @@ def budget_statement(recipe: Recipe, model_dir: Path) -> str | None:
         return None
     p = planned[0]
     w = recipe.workload
-    return (f"budget {recipe.engine.budget_gib:g} GiB: base weights {p.weights_bytes / 2**30:.2f} GiB as loaded + "
+    return (f"budget {p.budget_bytes / 2**30:g} GiB ({p.budget_source}): base weights "
+            f"{p.weights_bytes / 2**30:.2f} GiB as loaded + "
             f"engine runtime {p.runtime_bytes / 2**30:.2f} GiB + {p.outside_bytes / 2**30:.2f} GiB outside its sizing "
             f"leave a predicted {p.pool_bytes / 2**30:.2f} GiB KV pool: {p.tokens:,} tokens, {p.admitted} requests of "
             f"{w.prompt_tokens}+{w.output_tokens} tokens (runtime figures {p.overhead_source}; each engine sizes its "

@@ -79,9 +79,11 @@ def pool_plan(ctx: RunContext, weights_dir: Path, kv_cache_dtype: str, name: str
     gpu = envs.has_nvidia_gpu()
     act, kv = provenance.dtype_bytes(ctx.dtype), provenance.kv_elem_bytes(ctx.dtype, kv_cache_dtype)
     figures = None
+    cfg = modelcfg.read(ctx.model_dir)
     if membudget.mode(ctx.recipe.engine, gpu) == "budget":
         figures = overhead.for_run(ctx.run_dir.root, ctx.dtype, log=lambda m: say(name, m))
-    cfg = modelcfg.read(ctx.model_dir)
+        budget, source = membudget.run_budget(ctx.recipe.engine, cfg, ctx.model_dir, act, act, figures)
+        figures = {**figures, "budget_bytes": budget, "budget_source": source}
     w = ctx.recipe.workload
     p = membudget.plan(ctx.recipe.engine, cfg, weights_dir, act, kv, gpu, figures, projected_from,
                        seq_len=w.prompt_tokens + w.output_tokens)
