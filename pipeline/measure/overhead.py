@@ -56,12 +56,13 @@ def _host_file(dtype: str) -> Path:
     return envs.home() / "results" / "engine-overhead" / f"{host_key(dtype)}.json"
 
 
-def _read(path: Path, key: str) -> dict | None:
+def _read(path: Path, key: str, field: str = "key") -> dict | None:
+    """The figures in `path` if its `field` is `key` (a host's key, a run's dtype), else None."""
     try:
         d = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return d if d.get("key") == key else None
+    return d if d.get(field) == key else None
 
 
 def host_figures(dtype: str) -> dict:
@@ -70,23 +71,15 @@ def host_figures(dtype: str) -> dict:
     return _read(_host_file(dtype), key) or {"key": key, **PRIOR}
 
 
-def _run_figures(path: Path, dtype: str) -> dict | None:
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return d if d.get("dtype") == dtype else None
-
-
 def for_run(run_root: Path, dtype: str, log=print) -> dict:
     """The figures every engine of this run is sized with: fixed by the first engine that needs them."""
     here = run_root / "engine-overhead.json"
-    if (d := _run_figures(here, dtype)) is not None:
+    if (d := _read(here, dtype, "dtype")) is not None:
         return d
     run_root.mkdir(parents=True, exist_ok=True)
     with open(run_root / "engine-overhead.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # every Ray node shares the run folder, and these figures
-        if (d := _run_figures(here, dtype)) is not None:
+        if (d := _read(here, dtype, "dtype")) is not None:
             return d
         d = {**host_figures(dtype), "dtype": dtype}
         log(f"memory budget: {d['outside_bytes'] / GIB:.2f} GiB kept for what the engine's own sizing does not "
