@@ -28,6 +28,11 @@ def run_recipe() -> Path:
     return sorted(set((ROOT / "runs").glob("capacity-*")) - before)[-1]
 
 
+def b_pred(data: dict) -> str:
+    p = (((data["variants"].get("baseline") or {}).get("systems") or {}).get("kv") or {}).get("plan") or {}
+    return f"{p.get('predicted_tokens')} tokens, {p.get('predicted_admitted')} requests"
+
+
 def main() -> None:
     run = Path(sys.argv[1]) if len(sys.argv) > 1 else run_recipe()
     data = json.loads((run / "results.json").read_text())
@@ -42,11 +47,15 @@ def main() -> None:
             continue
         rows[name] = (p, kv)
         probe = kv.get("probe") or {}
-        tag = " PROJECTED" if p["projected"] else ""
         sz = p.get("sizing") or {}
         peak, budget, tol = p.get("peak_bytes") or 0, p["budget_bytes"], p.get("tolerance_bytes") or 0
         kept = "kept" if peak <= budget + tol else f"OVER by {(peak - budget) / 2**20:.0f} MiB"
-        print(f"{name:>18}:{tag} budget {budget / GIB:.2f} GiB, weights {p['weights_bytes'] / 2**20:.1f} MiB "
+        if p["projected"]:
+            print(f"{name:>18}: PROJECTED (no engine ran it natively here): weights {p['weights_bytes'] / 2**20:.1f} MiB "
+                  f"as it would load, pool {p['pool_bytes'] / 2**20:.0f} MiB, {p['tokens']} KV tokens, requests @shape "
+                  f"{p['admitted']} by the arithmetic (the baseline predicted alike: {b_pred(data)})")
+            continue
+        print(f"{name:>18}: budget {budget / GIB:.2f} GiB, weights {p['weights_bytes'] / 2**20:.1f} MiB "
               f"predicted / {(p['engine_weights_bytes'] or 0) / 2**20:.1f} MiB engine, outside "
               f"{(p.get('outside_bytes') or 0) / GIB:.2f} GiB, worker non-KV {(sz.get('non_kv_bytes') or 0) / GIB:.2f} GiB, "
               f"pool {(p.get('predicted_pool_bytes') or 0) / 2**20:.0f} MiB predicted / {p['pool_bytes'] / 2**20:.0f} MiB "
