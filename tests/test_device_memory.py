@@ -141,3 +141,34 @@ def test_serving_peak_leaves_out_what_came_between_loading_and_serving(tmp_path)
             p.kill()
         root.kill()
         root.wait()
+
+
+def test_a_helper_that_exited_is_not_summed_with_what_came_after(tmp_path):
+    """vLLM inspects a model's class in a subprocess that imports torch and exits before the engine loads;
+    its high-water mark was never resident beside the engine's, so the tree's peak must not add the two
+    (summing every mark ever seen put a baseline 0.6 GiB over its budget on the AVX2 kind)."""
+    helper = "x = bytearray(300 * 2**20); import time; time.sleep(1.5)"
+    engine = ("x = bytearray(200 * 2**20); import time; time.sleep(30)")
+    root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                             f"subprocess.run([sys.executable, '-c', {helper!r}]); "
+                             f"subprocess.run([sys.executable, '-c', {engine!r}])"])
+    try:
+        m = MemorySampler(root.pid, interval=3600, _gpu=False)  # samples only when told
+        time.sleep(1.0)
+        m._sample()  # the helper alone, at its peak
+        helper_peak = m.peak_tree_hwm
+        assert helper_peak >= 300 * 2**20
+        for _ in range(100):  # until the second process holds its 200 MiB
+            time.sleep(0.1)
+            kids = psutil.Process(root.pid).children()
+            if kids and "200" in " ".join(kids[0].cmdline()):
+                time.sleep(0.5)
+                break
+        m._sample()
+        m.stop()
+        assert m.peak_tree_hwm < helper_peak + 150 * 2**20, (m.peak_tree_hwm, helper_peak)
+    finally:
+        for p in psutil.Process(root.pid).children(recursive=True):
+            p.kill()
+        root.kill()
+        root.wait()

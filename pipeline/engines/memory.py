@@ -2,8 +2,8 @@
 
 Host memory two ways: RSS summed over the tree, sampled every 0.25 s (what was resident at once),
 and the kernel's own high-water mark of each process (VmHWM in /proc/PID/status), summed over the
-tree: a sampled peak can miss a spike shorter than the interval (a long prompt's logits), the
-high-water mark cannot. The memory budget's reserve is taken from the high-water mark.
+processes of the tree alive at each sample: a sampled peak can miss a spike shorter than the interval
+(a long prompt's logits), the high-water mark cannot. The memory budget's reserve is taken from the high-water mark.
 """
 
 from __future__ import annotations
@@ -74,7 +74,6 @@ class MemorySampler:
     peak_tree_hwm: int = 0  # sum over the tree of each process's kernel high-water mark (VmHWM)
     load_hwm: int | None = None  # the high-water mark once the engine was ready (mark_loaded)
     serving_hwm: int | None = None  # the high-water mark since begin_serving reset it
-    _hwm: dict = field(default_factory=dict)  # pid -> its last VmHWM (kept after the process exits)
     _stop: threading.Event = field(default_factory=threading.Event)
     _gpu: bool = field(default_factory=lambda: envs.has_nvidia_gpu())
     _ticks: int = 0
@@ -103,7 +102,7 @@ class MemorySampler:
             procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return
-        total = 0
+        total, alive = 0, {}
         for p in procs[1:]:  # the root is the guard; the engine is everything below it
             try:
                 total += p.memory_info().rss
@@ -111,11 +110,15 @@ class MemorySampler:
                 continue
             hwm = vm_hwm(p.pid)
             if hwm is not None:
-                self._hwm[p.pid] = max(self._hwm.get(p.pid, 0), hwm)
+                alive[p.pid] = hwm
+        # only processes alive at this sample are summed: a helper that came and went (vLLM inspects a
+        # model's class in a subprocess that imports torch, then exits) was never resident beside the
+        # engine's later peak, and summing every high-water mark ever seen counted it anyway
+        now = sum(alive.values())
         self.peak_tree_rss = max(self.peak_tree_rss, total)
-        self.peak_tree_hwm = max(self.peak_tree_hwm, sum(self._hwm.values()))
+        self.peak_tree_hwm = max(self.peak_tree_hwm, now)
         if self.serving_hwm is not None:
-            self.serving_hwm = max(self.serving_hwm, sum(self._hwm.values()))
+            self.serving_hwm = max(self.serving_hwm, now)
         self._ticks += 1
         if self._gpu and self._ticks % 4 == 1:  # once a second: nvidia-smi itself takes ~50 ms
             used, source = self._device_bytes({p.pid for p in procs})
@@ -142,7 +145,6 @@ class MemorySampler:
                     f.write("5")
             except OSError:
                 return  # cannot reset: serving_peak stays the whole life's peak
-        self._hwm.clear()
         self.serving_hwm = 0
         self._sample()
 
