@@ -38,12 +38,25 @@ class Progress:
         self._t0 = self._last = clock()
         self._lock = threading.Lock()
         self.lines = 0  # plain lines written (non-terminal mode)
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
 
     def __enter__(self) -> Progress:
+        """As a context manager it also ticks: a line every `every` s even while nothing completes (a first
+        request that takes a while), so a step is never silent longer than that."""
+        self._ticker = threading.Thread(target=self._tick, daemon=True)
+        self._ticker.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
         self.close()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(1.0 if self.tty else self.every / 4):
+            self.update(self.done)
 
     def text(self) -> str:
         elapsed = self.clock() - self._t0

@@ -161,8 +161,8 @@ class BudgetPlan(Model):
     """How one engine's KV pool was sized (pipeline/measure/membudget.py) and what the engine then did with it."""
 
     mode: Literal["budget", "gpu", "fixed"] = Field(
-        description="budget: pool = budget - weights - reserve (CPU); gpu: vLLM sized the pool within "
-        "gpu_memory_utilization; fixed: engine.kv_cache_gib for every variant.")
+        description="budget: the engine sized its own pool so its process tree keeps within the budget (CPU); "
+        "gpu: vLLM sized the pool within gpu_memory_utilization; fixed: engine.kv_cache_gib for every variant.")
     projected: bool = Field(False, description="No engine ran these weights natively here: capacity is "
                             "projected from the weights the checkpoint would load as, never measured.")
     budget_bytes: int | None = None
@@ -170,10 +170,23 @@ class BudgetPlan(Model):
     weights_bytes: int = Field(description="Weights as loaded, predicted from the safetensors headers "
                                "(engine dtype for floating-point tensors, quantized tensors as stored).")
     engine_weights_bytes: int | None = Field(None, description="Parameters the engine reported it loaded.")
-    reserve_bytes: int | None = Field(None, description="Runtime reserve (neither weights nor pool), measured "
-                                      "once per run and the same for every variant.")
+    outside_bytes: int | None = Field(None, description="Kept aside from the budget for what the engine's own sizing "
+                                      "does not count (API server, helpers, the worker's transient): one figure for "
+                                      "every engine of the run (measure/overhead.py).")
+    runtime_bytes: int | None = Field(None, description="The worker's memory besides weights and pool, as predicted "
+                                      "before the engine ran (this host's measurement, else a prior).")
+    overhead_source: str = ""
+    predicted_pool_bytes: int | None = Field(None, description="budget - outside - weights - runtime: the pool "
+                                             "predicted before the engine sized its own.")
+    predicted_tokens: int | None = Field(None, description="KV tokens of the predicted pool (whole blocks): what a "
+                                         "projected variant is compared with.")
+    predicted_admitted: int | None = Field(None, description="Requests of the workload's shape the predicted pool holds.")
+    sizing: dict | None = Field(None, description="What the engine was asked and decided (fraction, the node memory "
+                                "it read, its request, its non-KV memory: engines/vllm/sizing.py).")
+    reserve_bytes: int | None = Field(None, description="Runs before engine sizing: the measured runtime reserve.")
     reserve_source: str = ""
-    pool_bytes: int | None = Field(None, description="KV pool the engine was given (budget, fixed) or chose (gpu).")
+    pool_bytes: int | None = Field(None, description="KV pool the engine was given (fixed) or chose (budget, gpu); "
+                                   "the prediction until the engine ran, and for a projected plan.")
     kv_bytes_per_block: int
     block_size: int
     tokens: int | None = Field(None, description="KV tokens the pool holds by the arithmetic (whole blocks).")
@@ -181,11 +194,26 @@ class BudgetPlan(Model):
                                  "at once by the arithmetic (the KV bound, before max_num_seqs).")
     engine_tokens: int | None = Field(None, description="KV tokens the engine reported.")
     peak_bytes: int | None = Field(None, description="Peak memory of the engine's process tree, beside the budget.")
+    tolerance_bytes: int | None = Field(None, description="How far over the budget a peak may go before the variant's "
+                                        "capacity is marked over budget (membudget.tolerance).")
+    across: list[dict] | None = Field(None, description="Capacity over budgets around the run's (membudget.across_budgets): "
+                                      "budget_bytes, pool_bytes, tokens, requests (the KV bound at the workload's shape), "
+                                      "measured (the engine's own pool) or not (arithmetic on this engine's measured "
+                                      "non-KV memory).")
 
     @property
     def loaded_bytes(self) -> int | None:
         """Memory as loaded: the weights the engine holds plus its KV pool."""
         return self.weights_bytes + self.pool_bytes if self.pool_bytes is not None else None
+
+    @property
+    def over_budget_bytes(self) -> int | None:
+        """By how much the engine's peak exceeded its budget beyond the tolerance; None when it kept it
+        (or nothing says)."""
+        if self.peak_bytes is None or self.budget_bytes is None or self.mode != "budget":
+            return None
+        over = self.peak_bytes - self.budget_bytes
+        return over if over > (self.tolerance_bytes or 0) else None
 
 
 class KVCapacity(Model):

@@ -23,8 +23,11 @@ def plan_of(v: Variant) -> BudgetPlan | None:
 
 def requests_that_fit(v: Variant) -> tuple[float | None, str]:
     """Concurrent requests of the workload's shape this variant holds, and how that was found: the
-    measured knee where the admission probe ran, else the engine's KV blocks; projected plans last."""
+    measured knee where the admission probe ran, else the engine's KV blocks; projected plans last. An
+    engine that peaked over its budget earned none of it: None, and the table says by how much."""
     s, plan = v.measured, plan_of(v)
+    if over_budget(v):
+        return None, "over budget"
     if s and s.kv and s.kv.probe:
         bound = "; max_num_seqs bound it, the pool holds more" if s.kv.probe.binding == "max_num_seqs" else ""
         return float(s.kv.probe.knee), f"knee, measured{bound}"
@@ -48,9 +51,27 @@ def memory_as_loaded(v: Variant) -> tuple[float | None, bool]:
     return float(weights + plan.pool_bytes), plan.projected
 
 
+def baseline_fits(base: Variant | None, how: str) -> float | None:
+    """What a variant's requests that fit are divided by: the baseline's, found the same way; a projection
+    is compared with the baseline's own prediction (the same arithmetic), never with its measurement."""
+    if base is None:
+        return None
+    if how == "projected":
+        bp = plan_of(base)
+        return float(bp.predicted_admitted) if bp and bp.predicted_admitted else None
+    return requests_that_fit(base)[0]
+
+
+def over_budget(v: Variant) -> int | None:
+    """Bytes by which this variant's engine peaked over its budget beyond the tolerance (None: it kept it)."""
+    plan = plan_of(v)
+    return plan.over_budget_bytes if plan is not None and not plan.projected else None
+
+
 def _budget_words(plan: BudgetPlan) -> str:
     if plan.mode == "budget":
-        return f"budget {plan.budget_bytes / 2**30:.2f} GiB"
+        derived = plan.budget_source.startswith("derived")
+        return f"budget {plan.budget_bytes / 2**30:.2f} GiB" + (f" ({escape(plan.budget_source)})" if derived else "")
     if plan.mode == "gpu":
         return escape(plan.budget_source)
     return f"a fixed {plan.pool_bytes / 2**30:.2f} GiB KV pool (weight savings do not show as capacity)"
@@ -65,15 +86,27 @@ def tradeoff_line(run: Run, name: str, v: Variant) -> str:
     overall, worst slice S Δ [CI]', as far as it was measured."""
     base = run.variants.get("baseline")
     mine, how = requests_that_fit(v)
-    theirs, _ = requests_that_fit(base) if base else (None, "")
+    theirs = baseline_fits(base, how)
     wl = (base.systems.workload if base and base.systems else {}) or {}
     plan = plan_of(v)
-    if mine is not None and theirs:
+    over = [n for n, x in (("this variant", v), ("the baseline", base)) if x and over_budget(x)]
+    if plan is None:
+        fits = "capacity not measured"
+    elif over:
+        fits = (f"<b>capacity not earned</b>: {' and '.join(over)} peaked over the budget "
+                f"(the capacity table says by how much)")
+    elif mine is not None and theirs:
         shape = f"{wl.get('prompt_tokens')}/{wl.get('output_tokens')}"
         fits = (f"fits <b>{mine / theirs:.2f}×</b> the baseline's concurrent requests of shape {shape} tokens "
-                f"({mine:.0f} vs {theirs:.0f}, {how}) under {_budget_words(plan) if plan else 'the same engine'}")
+                f"({mine:.0f} vs {theirs:.0f}, {how}{'; the baseline predicted alike' if how == 'projected' else ''}) "
+                f"under {_budget_words(plan) if plan else 'the same engine'}")
         if how == "projected":
             fits = f"{PROJECTED}: " + fits
+        elif plan and plan.mode == "budget" and base and base.measured and base.measured.kv and v.measured and \
+                v.measured.kv and v.measured.kv.tokens and base.measured.kv.tokens:
+            freed = v.measured.kv.tokens - base.measured.kv.tokens
+            fits += (f", {freed:+,} KV tokens against the baseline's (a difference of pools, the same at any "
+                     "budget both fit: capacity across budgets is charted)")
     else:
         fits = "capacity not measured"
     paired = run.paired(name)
@@ -102,14 +135,20 @@ def _row(name: str, v: Variant, base: Variant | None) -> list[str]:
     tag = f" {PROJECTED}" if plan.projected else ""
     engine_tokens = "–" if plan.projected else fmt(plan.engine_tokens)
     fits, how = requests_that_fit(v)
-    theirs, _ = requests_that_fit(base) if base else (None, "")
+    theirs = baseline_fits(base, how)
     ratio = f"{fits / theirs:.2f}×" if fits is not None and theirs else "–"
-    peak = plan.peak_bytes
-    over = (f" <b>over budget by {mib(peak - plan.budget_bytes)}</b>" if peak and plan.budget_bytes
-            and peak > plan.budget_bytes else "")
+    peak, over_by = plan.peak_bytes, over_budget(v)
+    over = (f" <b>over budget by {mib(over_by)}: capacity not earned</b>" if over_by else "")
+    if plan.mode == "budget":
+        kept = f"{mib(plan.outside_bytes)} + {mib(plan.runtime_bytes)}" if plan.outside_bytes is not None \
+            else mib(plan.reserve_bytes)  # a run from before engine sizing
+        pool = mib(plan.pool_bytes) if plan.projected or plan.predicted_pool_bytes is None else \
+            f"{mib(plan.predicted_pool_bytes)} / {mib(plan.pool_bytes)}"
+    else:
+        kept, pool = "–", mib(plan.pool_bytes)
     return [escape(name) + tag, escape(plan.mode), mib(plan.budget_bytes),
             f"{mib(plan.weights_bytes)} / {'–' if plan.projected else mib(plan.engine_weights_bytes)}",
-            mib(plan.reserve_bytes), mib(plan.pool_bytes), f"{fmt(plan.tokens)} / {engine_tokens}",
+            kept, pool, f"{fmt(plan.tokens)} / {engine_tokens}",
             fmt(plan.admitted), f"{fits:.0f} ({escape(how)})" if fits is not None else "–", ratio,
             (mib(peak) + over) if peak else "–", _checkpoint(s)]
 
@@ -124,7 +163,14 @@ def capacity_section(run: Run) -> str:
     if not rows:
         return ""
     plan = next(plan_of(v) for v in run.variants.values() if plan_of(v))
-    how = {"budget": "pool = budget − weights as loaded − runtime reserve (" + escape(plan.reserve_source) + ")",
+    how = {"budget": ("each engine sized its own pool so that its process tree keeps within the budget: its worker "
+                      "was asked for the budget less what its sizing does not count (outside: API server, helpers, "
+                      "transients), and kept as KV cache what its weights and runtime left; predicted pool = budget − "
+                      "outside − weights − runtime (" + escape(plan.overhead_source) + "), beside the pool the engine "
+                      "chose. A peak over the budget by more than "
+                      + mib(plan.tolerance_bytes or 0) + " marks that variant's capacity as not earned")
+                     if plan.outside_bytes is not None else
+                     "pool = budget − weights as loaded − runtime reserve (" + escape(plan.reserve_source) + ")",
            "gpu": "vLLM sized each pool from its own memory profiling within gpu_memory_utilization",
            "fixed": "every engine got the same fixed KV pool (engine.kv_cache_gib): weight savings do not show "
                     "as capacity here"}[plan.mode]
@@ -136,6 +182,7 @@ def capacity_section(run: Run) -> str:
             "kernel high-water mark, beside the budget. A <i>projected</i> row had no native kernel here: its "
             "quality was measured on dequantized weights, its capacity is the arithmetic on the weights its "
             "checkpoint would load as, and nothing in it was measured.</p>"
-            + table(["variant", "pool", "budget", "weights predicted / engine", "reserve", "KV pool",
+            + table(["variant", "pool", "budget", "weights predicted / engine", "outside + runtime",
+                     "KV pool predicted / engine",
                      "KV tokens arithmetic / engine", "requests @shape (arithmetic)", "requests @shape (found)",
                      "× baseline", "peak", "checkpoint"], rows))

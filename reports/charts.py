@@ -76,8 +76,10 @@ def scatter(title: str, xlabel: str, pts: list[Point], projected: set[str], lowe
                    f"{escape(', '.join(sorted(front)))})")
 
 
-def line_chart(title: str, series: dict[str, list[tuple[float, float]]]) -> str:
-    """Inline SVG: one polyline per variant of p50 TPOT (ms) against concurrency."""
+def line_chart(title: str, series: dict[str, list[tuple[float, float]]], xlabel: str = "concurrency",
+               ylabel: str = "p50 TPOT (ms)", caption: str = "", hollow: set | None = None) -> str:
+    """Inline SVG: one polyline per variant (by default p50 TPOT (ms) against concurrency); points in
+    `hollow` ((name, x) pairs: not measured) are drawn hollow."""
     w, h, pad = 460, 260, 52
     pts = [p for s in series.values() for p in s]
     x1, y1 = max(x for x, _ in pts) or 1, max(y for _, y in pts) * 1.15 or 1
@@ -95,13 +97,36 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]]) -> str:
         colour = palette[i % len(palette)]
         lines += (f'<polyline points="{" ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in s)}" fill="none" '
                   f'stroke="{colour}" stroke-width="2"/>'
-                  + "".join(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{colour}"/>' for x, y in s)
+                  + "".join(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" '
+                            + (f'fill="white" stroke="{colour}"/>' if (name, x) in (hollow or set()) else
+                               f'fill="{colour}"/>') for x, y in s)
                   + f'<text x="{sx(s[-1][0]) - 4:.1f}" y="{sy(s[-1][1]) - 8:.1f}" font-size="12" text-anchor="end" '
                     f'fill="{colour}">{escape(name)}</text>')
-    axes = (_axes(w, h, pad, "concurrency", "p50 TPOT (ms)")
+    axes = (_axes(w, h, pad, xlabel, ylabel)
             + f'<text x="{w - pad}" y="{h - pad + 16}" font-size="11" text-anchor="end">{x1:g}</text>'
             f'<text x="{pad - 4}" y="{pad + 4}" font-size="11" text-anchor="end">{y1:.0f}</text>')
-    return _figure(w, h, title, axes + lines, escape(title))
+    return _figure(w, h, title, axes + lines, caption or escape(title))
+
+
+def budget_chart(run: Run) -> str:
+    """Requests of the workload's shape that fit (the KV bound) against the memory budget, one line per
+    variant whose engine sized its own pool: the run's budget is measured, the others are the arithmetic
+    on that engine's measured non-KV memory (hollow)."""
+    series, hollow = {}, set()
+    for name, v in run.variants.items():
+        plan = v.systems.kv.plan if v.systems and v.systems.kv else None
+        if plan is None or plan.projected or not plan.across or plan.over_budget_bytes:
+            continue
+        series[name] = [(round(pt["budget_bytes"] / 2**30, 3), float(pt["requests"])) for pt in plan.across]
+        hollow |= {(name, round(pt["budget_bytes"] / 2**30, 3)) for pt in plan.across if not pt["measured"]}
+    if len(series) < 1:
+        return ""
+    return line_chart("Capacity across budgets", series, "memory budget (GiB)",
+                      "requests of the workload's shape that fit",
+                      "Capacity across budgets: filled = the engine sized its own pool at the run's budget "
+                      "(measured); hollow = arithmetic on that engine's measured non-KV memory (how it would size "
+                      "itself there), not measured. The KV bound, before max_num_seqs. A variant whose engine went "
+                      "over its budget is left out.", hollow)
 
 
 def _points(run: Run, x_of) -> tuple[list[Point], set[str]]:
@@ -139,7 +164,7 @@ def chart_section(run: Run) -> str:
     charts = [scatter("Quality vs memory as loaded", "weights + KV pool (MiB)", *_points(run, _loaded_mib), True),
               scatter("Quality vs p99 TPOT", "p99 TPOT (ms)", *_points(run, _tpot_p99), True),
               scatter("Quality vs capacity", "concurrent requests of the workload's shape",
-                      *_points(run, _capacity), False)]
+                      *_points(run, _capacity), False), budget_chart(run)]
     charts = [c for c in charts if c]
     if not charts:
         return ""

@@ -48,9 +48,13 @@ def write_variant(root: Path, name: str, correct: dict[str, list[int]], tpot: fl
     per_block = 23040 * 128
     blocks = pool // per_block
     plan = BudgetPlan(mode="budget", budget_bytes=4 * 2**30, weights_bytes=weights, engine_weights_bytes=weights,
-                      reserve_bytes=int(2.9 * 2**30), reserve_source="measured (fixture)", pool_bytes=pool,
+                      outside_bytes=int(1.1 * 2**30), runtime_bytes=int(1.8 * 2**30), overhead_source="fixture",
+                      predicted_pool_bytes=pool, tolerance_bytes=int(4 * 2**30 / 50), pool_bytes=pool,
                       kv_bytes_per_block=per_block, block_size=128, tokens=blocks * 128, engine_tokens=blocks * 128,
-                      admitted=(blocks - 1) // 3, peak_bytes=3 * 2**30)
+                      admitted=(blocks - 1) // 3, peak_bytes=3 * 2**30,
+                      across=[{"budget_bytes": b, "pool_bytes": b - 4 * 2**30 + pool, "tokens": 128 * ((b - 4 * 2**30 + pool)
+                               // per_block), "requests": ((b - 4 * 2**30 + pool) // per_block - 1) // 3,
+                               "measured": b == 4 * 2**30} for b in (7 * 2**29, 4 * 2**30, 6 * 2**30)])
     kv = KVCapacity(block_size=128, num_blocks=blocks, tokens=blocks * 128, max_concurrency=blocks / 16,
                     bytes_per_token_config=23040, pool_bytes_config=pool, tokens_config=blocks * 128,
                     admission_sequences=min(16, (blocks - 1) // 3), admission_kv_only=(blocks - 1) // 3, plan=plan)

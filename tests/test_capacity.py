@@ -71,6 +71,17 @@ def test_sliding_window_requests_hold_at_most_their_window():
     assert capacity.layer_windows({**mistral, "use_sliding_window": False}) == [None] * 30
 
 
+def test_layer_types_a_config_leaves_out_come_from_its_config_class():
+    """A Gemma-3 config.json without `layer_types` is 5 sliding : 1 full, as its transformers class (and so
+    vLLM) reads it, not every layer sliding; a config class that derives none leaves the file's rule."""
+    pytest.importorskip("transformers")
+    g3 = {k: v for k, v in gemma(12, 6, 512).items() if k != "layer_types"}
+    g3["model_type"] = "gemma3_text"
+    assert capacity.layer_windows(g3) == capacity.layer_windows(gemma(12, 6, 512))
+    assert capacity.layer_windows({**g3, "model_type": "no-such-model"}) == [512] * 12
+    assert capacity.layer_windows({**SMOLLM2, "model_type": "llama"}) == [None] * 30
+
+
 vllm = pytest.importorskip("vllm", reason="cross-check against vLLM's own layout functions (engine environment)")
 
 

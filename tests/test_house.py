@@ -19,7 +19,7 @@ LAYERS = (
 )
 # stage modules each measure one thing; only evaluate.py (one engine start) calls the three
 # that share its engine
-STAGES = {"quantize", "quality", "systems", "admission", "signoff", "evaluate", "reserve", "sensitivity"}
+STAGES = {"quantize", "quality", "systems", "admission", "signoff", "evaluate", "sensitivity"}
 MAY_CALL = {"evaluate": {"quality", "systems", "admission"}}
 
 

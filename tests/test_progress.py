@@ -97,3 +97,16 @@ def test_a_subprocess_step_shows_done_total_read_from_its_log(monkeypatch, tmp_p
         f.write("(31/31): Propagating: 100%|##########| 8/8\r(1/31): Calibrating:   0%|\r(4/31): Calibrating: 50%|")
     assert log_counter(log, PROGRESS, passes=2)() == (31 + 4, 62)
     assert log_counter(log, PROGRESS, passes=1)() == (35, 62)  # more passes than expected: as many as seen
+
+
+def test_a_step_where_nothing_completes_still_gets_its_line(monkeypatch):
+    """A first request that takes long: the bar, used as a context manager, writes its line on time
+    anyway (the run's console is never silent for longer than `every`), and stops when the step ends."""
+    monkeypatch.delenv(progress.QUIET_ENV, raising=False)
+    out = io.StringIO()
+    with Progress("latency 256/64 c=4", 24, "requests", "baseline", every=0.2, stream=out):
+        time.sleep(0.5)
+    lines = out.getvalue().splitlines()
+    assert 1 <= len(lines) <= 3 and lines[0].endswith("latency 256/64 c=4: 0/24 requests (0%), 0.0/s, ETA –")
+    time.sleep(0.3)
+    assert out.getvalue().splitlines() == lines  # nothing after the step

@@ -80,6 +80,9 @@ def test_charts_heatmap_and_csv(run):
     html = render_run(run).read_text()
     assert "Quality vs memory as loaded" in html and "Quality vs p99 TPOT" in html and "Quality vs capacity" in html
     assert "Pareto front" in html and "Deltas by slice" in html
+    assert "Capacity across budgets" in html and "memory budget (GiB)" in html
+    assert html.count('fill="white" stroke=') == 4  # two variants x two budgets by the arithmetic, hollow
+    assert "KV tokens against the baseline's" in html  # what the variant frees, beside its N x
     assert "-5.0 *" in html  # 5 flips to wrong of 100: significant by the CI
     rows = (run / "results.csv").read_text().splitlines()
     assert rows[0].startswith("variant,verdict,slice,n,")

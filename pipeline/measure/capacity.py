@@ -38,14 +38,32 @@ def kv_heads_per_rank(cfg: dict, tp: int) -> int:
     return max(1, modelcfg.kv_heads(cfg) // tp)
 
 
+def layer_types(c: dict) -> list[str] | None:
+    """The text config's `layer_types`, or what its transformers config class derives when the file
+    leaves them out (Gemma 2/3 configs written before the field existed: a sliding pattern, not every
+    layer sliding), as vLLM sees them through that class; None where neither says."""
+    if c.get("layer_types"):
+        return c["layer_types"]
+    try:
+        import warnings
+
+        from transformers import CONFIG_MAPPING
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            derived = CONFIG_MAPPING[c["model_type"]](**{k: v for k, v in c.items() if k != "model_type"})
+    except Exception:  # noqa: BLE001 - no transformers here, an unknown model type, a config it refuses
+        return None
+    return list(getattr(derived, "layer_types", None) or []) or None
+
+
 def layer_windows(cfg: dict) -> list[int | None]:
     """Each decoder layer's sliding window (None: full attention). `layer_types` where the config
-    lists them (Gemma 2/3, Qwen 2.x, gpt-oss), else every layer sliding when the config sets a
-    window it uses (Mistral), else every layer full."""
+    lists them or its transformers class derives them (Gemma 2/3, Qwen 2.x, gpt-oss), else every layer
+    sliding when the config sets a window it uses (Mistral), else every layer full."""
     c = modelcfg.text_config(cfg)
     n = c["num_hidden_layers"]
     window = c.get("sliding_window")
-    types = c.get("layer_types")
+    types = layer_types(c)
     if types:
         return [window if t == "sliding_attention" and window else None for t in types[:n]]
     if window and c.get("use_sliding_window", True):

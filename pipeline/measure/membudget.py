@@ -2,13 +2,14 @@
 
 The controlled part of the experiment is the memory an engine may use, not its KV pool:
 
-    budget   engine.memory_budget_gib (CPU; the default). The pool each engine is started with is
-             budget - weights as loaded - runtime reserve, so a variant whose weights are smaller
-             gets the difference as KV cache. The weights are predicted from the checkpoint's
-             safetensors headers in the engine's dtype and checked after start against what the
-             engine reports it loaded; the reserve (interpreter, vLLM, activations: everything that
-             is neither weights nor pool) is measured once per run by stages/reserve.py and is the
-             same figure for every variant.
+    budget   engine.memory_budget_gib (CPU; the default). Each engine sizes its own pool so that its
+             whole process tree keeps within the budget (pipeline/engines/vllm/sizing.py): its worker is
+             asked for budget - outside of the node's memory and keeps as KV cache what its weights and
+             runtime leave. A variant whose weights are smaller gets the difference as KV cache, and a
+             variant whose runtime holds more pays for it out of its own pool. `outside` (what the engine's
+             own sizing does not count) is one figure per run (measure/overhead.py). The pool is predicted
+             here (weights from the safetensors headers, runtime from this host's measurement) and read
+             back from the engine; its peak is then checked against the budget within `tolerance`.
     gpu      the same recipe on a GPU: the budget is engine.gpu_memory_utilization of the device;
              vLLM profiles its own memory and sizes the pool, which is read back from the engine.
     fixed    engine.kv_cache_gib: one KV pool for every variant ("same pool" experiments); weight
@@ -85,12 +86,46 @@ def mode(engine, gpu: bool) -> str:
     return "gpu" if gpu else "budget"
 
 
+def tolerance(budget_bytes: int) -> int:
+    """How far over its budget an engine's peak may go before its capacity counts as over budget: the
+    larger of 64 MiB and 2% of the budget (the node's memory figure moves by more than that between the
+    launch and the worker's read of it on some machines; vLLM logs its figures to 0.01 GiB)."""
+    return max(64 * 2**20, budget_bytes // 50)
+
+
+def run_budget(engine, cfg: dict, base_dir: Path, engine_elem_bytes: int, kv_elem_bytes: int,
+               overhead: dict) -> tuple[int, str]:
+    """The budget every engine of the run shares, and where it came from: the recipe's
+    engine.memory_budget_gib; else the default, raised where the base model needs more to serve a full
+    batch (max_num_seqs sequences of max_model_len tokens) beside its weights and its runtime, so a
+    default serves any model the machine can hold (rounded up to 0.25 GiB; a machine that cannot hold it
+    fails at the engine's start, naming what its node has)."""
+    if engine.memory_budget_gib is not None:
+        return int(engine.memory_budget_gib * GIB), "engine.memory_budget_gib"
+    tp = engine.tensor_parallel_size
+    lay = capacity.layout(cfg, kv_elem_bytes, block=CPU_BLOCK, tp=tp)
+    weights = weights_as_loaded(base_dir, engine_elem_bytes, tp)
+    need = (int(overhead["outside_bytes"]) + int(overhead["runtime_bytes"]) + weights
+            + lay.pool_for(engine.max_model_len, engine.max_num_seqs))
+    quarter = GIB // 4
+    derived = -(-need // quarter) * quarter
+    default = int(engine.budget_gib * GIB)
+    if derived <= default:
+        return default, (f"the default {engine.budget_gib:g} GiB (no engine.memory_budget_gib; the base model with "
+                         f"a full batch of {engine.max_num_seqs} x {engine.max_model_len} tokens needs "
+                         f"{need / GIB:.2f} GiB)")
+    return derived, (f"derived: no engine.memory_budget_gib, and the base model with a full batch of "
+                     f"{engine.max_num_seqs} x {engine.max_model_len} tokens needs {need / GIB:.2f} GiB (weights "
+                     f"{weights / GIB:.2f} + runtime and what the engine's sizing does not count), above the "
+                     f"default {engine.budget_gib:g} GiB")
+
+
 def plan(engine, cfg: dict, weights_dir: Path, engine_elem_bytes: int, kv_elem_bytes: int, gpu: bool,
-         reserve: dict | None = None, projected_from: Path | None = None, seq_len: int | None = None) -> BudgetPlan:
-    """The pool one engine gets and the capacity that predicts. `reserve` is stages/reserve.py's
-    measurement (budget mode on CPU); `projected_from` is the quantized checkpoint of a variant served
-    as dense weights (no native kernel here): its capacity is projected from the weights that
-    checkpoint would load as natively, and no engine is started with it."""
+         overhead: dict | None = None, projected_from: Path | None = None, seq_len: int | None = None) -> BudgetPlan:
+    """The pool one engine is predicted to get and the capacity that predicts. `overhead` is
+    measure/overhead.py's figures (budget mode on CPU); `projected_from` is the quantized checkpoint of a
+    variant served as dense weights (no native kernel here): its capacity is projected from the weights
+    that checkpoint would load as, and no engine is started with it."""
     tp = engine.tensor_parallel_size
     lay = capacity.layout(cfg, kv_elem_bytes, block=16 if gpu else CPU_BLOCK, tp=tp)
     m = mode(engine, gpu)
@@ -100,23 +135,26 @@ def plan(engine, cfg: dict, weights_dir: Path, engine_elem_bytes: int, kv_elem_b
     if m == "fixed":
         p.pool_bytes = engine.fixed_pool_bytes
     elif m == "budget":
-        if reserve is None:
-            raise ValueError("budget mode needs the measured runtime reserve")
-        p.budget_bytes = int(engine.budget_gib * GIB)
-        p.reserve_bytes, p.reserve_source = int(reserve["reserve_bytes"]), reserve["source"]
-        p.pool_bytes = p.budget_bytes - weights - p.reserve_bytes
+        if overhead is None:
+            raise ValueError("budget mode needs the engine-overhead figures (measure/overhead.py)")
+        p.budget_bytes = int(overhead.get("budget_bytes") or engine.budget_gib * GIB)
+        p.budget_source = overhead.get("budget_source", "engine.memory_budget_gib")
+        p.tolerance_bytes = tolerance(p.budget_bytes)
+        p.outside_bytes, p.runtime_bytes = int(overhead["outside_bytes"]), int(overhead["runtime_bytes"])
+        p.overhead_source = overhead["source"]
+        p.pool_bytes = p.predicted_pool_bytes = p.budget_bytes - p.outside_bytes - weights - p.runtime_bytes
     else:  # gpu: vLLM sizes the pool from its own profiling
         p.budget_source = f"gpu_memory_utilization {engine.gpu_memory_utilization} of the device"
         return p
-    p.tokens = lay.tokens(p.pool_bytes)
+    p.tokens = p.predicted_tokens = lay.tokens(p.pool_bytes)
     if seq_len:
-        p.admitted = lay.admitted(p.pool_bytes, seq_len)
+        p.admitted = p.predicted_admitted = lay.admitted(p.pool_bytes, seq_len)
     return p
 
 
 def check_fits(p: BudgetPlan, cfg: dict, engine, kv_elem_bytes: int, who: str) -> None:
-    """A pool that cannot hold one request of max_model_len tokens: ValueError naming the field and
-    the bytes needed (vLLM would refuse to start, after its whole start-up)."""
+    """A predicted pool that cannot hold one request of max_model_len tokens: ValueError naming the field
+    and the bytes needed (vLLM would refuse to start, after its whole start-up)."""
     if p.mode != "budget" or p.pool_bytes is None:
         return
     lay = capacity.layout(cfg, kv_elem_bytes, block=p.block_size, tp=engine.tensor_parallel_size)
@@ -124,26 +162,59 @@ def check_fits(p: BudgetPlan, cfg: dict, engine, kv_elem_bytes: int, who: str) -
     if p.pool_bytes < one:
         need = (p.budget_bytes - p.pool_bytes) + one
         raise ValueError(
-            f"engine.memory_budget_gib: {engine.budget_gib:g} GiB cannot hold {who}: weights "
-            f"{p.weights_bytes / GIB:.2f} GiB + runtime reserve {p.reserve_bytes / GIB:.2f} GiB + one "
-            f"{engine.max_model_len}-token sequence {one / GIB:.3f} GiB need {need / GIB:.2f} GiB ({need} bytes)")
+            f"engine.memory_budget_gib: {engine.memory_budget_gib or round(p.budget_bytes / GIB, 2):g} GiB cannot "
+            f"hold {who}: weights "
+            f"{p.weights_bytes / GIB:.2f} GiB + engine runtime {p.runtime_bytes / GIB:.2f} GiB + outside its "
+            f"sizing {p.outside_bytes / GIB:.2f} GiB + one {engine.max_model_len}-token sequence "
+            f"{one / GIB:.3f} GiB need {need / GIB:.2f} GiB ({need} bytes)")
 
 
 def verify(p: BudgetPlan, cfg: dict, kv_elem_bytes: int, tp: int, engine_block: int | None,
-           engine_tokens: int | None, loaded_params: int | None, peak_rss: int | None, seq_len: int | None = None) -> None:
-    """After the engine ran: its KV tokens and loaded weights beside the prediction (re-cut to the block
-    size the engine chose), and the peak memory it took beside the budget."""
-    p.engine_tokens, p.engine_weights_bytes, p.peak_bytes = engine_tokens, loaded_params, peak_rss
+           engine_tokens: int | None, loaded_params: int | None, peak: int | None, seq_len: int | None = None,
+           sizing: dict | None = None) -> None:
+    """After the engine ran: the pool it chose (budget, gpu) or its tokens beside the arithmetic (fixed),
+    re-cut to the block size it chose; the weights it loaded; its peak memory beside the budget."""
+    p.engine_tokens, p.engine_weights_bytes, p.peak_bytes = engine_tokens, loaded_params, peak
+    p.sizing = sizing
     if engine_block and engine_block != p.block_size:
         lay = capacity.layout(cfg, kv_elem_bytes, block=engine_block, tp=tp)
         p.block_size, p.kv_bytes_per_block = engine_block, lay.bytes_per_block
-        if p.pool_bytes is not None and p.mode != "gpu":
+        if p.pool_bytes is not None and p.mode == "fixed":
             p.tokens = lay.tokens(p.pool_bytes)
-            if p.admitted is not None and seq_len:
-                p.admitted = lay.admitted(p.pool_bytes, seq_len)
-    if p.mode == "gpu" and engine_tokens and p.kv_bytes_per_block:
+    lay = capacity.layout(cfg, kv_elem_bytes, block=p.block_size, tp=tp)
+    if p.mode in ("budget", "gpu") and engine_tokens and p.kv_bytes_per_block:
+        # the pool the engine chose, in whole blocks of its own layout (vLLM cuts the rest off)
         p.pool_bytes = engine_tokens // p.block_size * p.kv_bytes_per_block
         p.tokens = engine_tokens
+    if p.pool_bytes is not None and seq_len and p.mode != "gpu":
+        p.admitted = lay.admitted(p.pool_bytes, seq_len)
+
+
+SWEEP = (0.5, 0.75, 1.0, 1.5, 2.0)  # budgets drawn, as multiples of the run's
+
+
+def across_budgets(p: BudgetPlan, cfg: dict, kv_elem_bytes: int, tp: int, seq_len: int, max_model_len: int) -> list[dict]:
+    """This variant's capacity over budgets around the run's, from the smallest that serves one
+    max_model_len sequence: at the run's budget the pool its engine chose (measured); at the others the
+    arithmetic pool(B) = B - outside - the non-KV memory its engine's worker held (read back from its log),
+    which is how the engine would size itself there. Requests: the KV bound at the workload's shape (before
+    max_num_seqs), so what a budget buys stays visible. Empty where the engine did not size its own pool."""
+    non_kv = (p.sizing or {}).get("non_kv_bytes")
+    if p.mode != "budget" or non_kv is None or p.outside_bytes is None or p.pool_bytes is None:
+        return []
+    lay = capacity.layout(cfg, kv_elem_bytes, block=p.block_size, tp=tp)
+    kept = p.outside_bytes + non_kv
+    step = GIB // 16
+    smallest = -(-(kept + lay.pool_for(max_model_len)) // step) * step
+    budgets = sorted({smallest, p.budget_bytes} | {int(p.budget_bytes * f) for f in SWEEP})
+    out = []
+    for b in budgets:
+        if b < smallest:
+            continue
+        pool = p.pool_bytes if b == p.budget_bytes else b - kept
+        out.append({"budget_bytes": b, "pool_bytes": pool, "tokens": lay.tokens(pool),
+                    "requests": lay.admitted(pool, seq_len), "measured": b == p.budget_bytes})
+    return out
 
 
 def projected_capacity(p: BudgetPlan) -> KVCapacity:

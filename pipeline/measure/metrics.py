@@ -150,9 +150,27 @@ def _projected(inp: Inputs, what: str, value) -> Measured:
                     "not measured")
 
 
+class OverBudget(Exception):
+    """A capacity figure from an engine whose peak went over the memory budget: not earned, so its gate
+    reads ERROR, never PASS."""
+
+
+def _kept_budget(both: tuple[SystemsResult, SystemsResult]) -> tuple[SystemsResult, SystemsResult]:
+    for who, s in zip(("the variant", "the baseline"), both, strict=True):
+        plan = s.kv.plan if s.kv else None
+        if plan is not None and (over := plan.over_budget_bytes):
+            raise OverBudget(f"{who}'s engine peaked at {plan.peak_bytes / 2**30:.2f} GiB, over its "
+                             f"{plan.budget_bytes / 2**30:.2f} GiB budget by {over / 2**20:.0f} MiB (tolerance "
+                             f"{(plan.tolerance_bytes or 0) / 2**20:.0f} MiB): the capacity it shows was not earned")
+    return both
+
+
 def _base_plan_tokens(inp: Inputs) -> int | None:
+    """The baseline's tokens by the same arithmetic a projection uses (its predicted pool), never its
+    engine's measured figure: projections are compared with projections."""
     b = inp.base_systems
-    return b.kv.tokens if b and b.kv else None
+    plan = b.kv.plan if b and b.kv else None
+    return plan.predicted_tokens if plan is not None else None
 
 
 def kv_tokens_ratio(inp: Inputs, scope: str) -> Measured:
@@ -161,7 +179,7 @@ def kv_tokens_ratio(inp: Inputs, scope: str) -> Measured:
         v = inp.systems
         projected = v.kv.plan.tokens if v and v.kv and v.kv.plan else None
         return _projected(inp, "KV tokens ratio", _ratio(projected, _base_plan_tokens(inp)))
-    v, b = both
+    v, b = _kept_budget(both)
     return Measured(value=_ratio(v.kv.tokens if v.kv else None, b.kv.tokens if b.kv else None))
 
 
@@ -173,7 +191,7 @@ def admission_ratio(inp: Inputs, scope: str) -> Measured:
     both = _served(inp)
     if both is None:
         return _projected(inp, "admission ratio", None)
-    v, b = both
+    v, b = _kept_budget(both)
     return Measured(value=_ratio(_knee(v), _knee(b)))
 
 
@@ -182,10 +200,10 @@ def max_concurrency(inp: Inputs, scope: str) -> Measured:
     if both is None:
         v = inp.systems
         plan = v.kv.plan if v and v.kv else None
-        return _projected(inp, "max concurrency", float(plan.admitted) if plan and plan.admitted is not None
-                          else None)
-    v = both[0]
-    return Measured(value=v.kv.admission_kv_only if v.kv else None)
+        return _projected(inp, "max concurrency (KV bound)", float(plan.admitted) if plan and plan.admitted
+                          is not None else None)
+    v = _kept_budget(both)[0]
+    return Measured(value=v.kv.admission_sequences if v.kv else None)
 
 
 @dataclass(frozen=True)
@@ -243,6 +261,6 @@ METRICS: dict[str, Metric] = {
                               kv_tokens_ratio),
     "admission_ratio": Metric("systems", "ratio", "Measured admission knee (most requests of the probe's shape that "
                               "run at once without queueing), variant / baseline.", admission_ratio, needs="admission"),
-    "max_concurrency": Metric("systems", "requests", "Requests of the workload's prompt+output shape the variant's KV "
-                              "pool holds at once (the KV bound, from the engine's blocks).", max_concurrency),
+    "max_concurrency": Metric("systems", "requests", "Requests of the workload's prompt+output shape the variant's engine "
+                              "runs at once: what its KV blocks hold, capped by max_num_seqs.", max_concurrency),
 }

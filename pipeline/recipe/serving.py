@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pipeline.engines import interface
 
-# CPU: room for the default model's float32 weights, the engine's runtime reserve and a pool that holds the
-# default workload (the reserve as measured: docs/performance.md)
+# CPU: room for the default model's float32 weights, the engine's runtime (API server and worker) and a pool
+# that holds the default workload (docs/performance.md)
 DEFAULT_BUDGET_GIB = 4.0
 
 
@@ -31,9 +31,10 @@ class EngineSpec(Strict):
     max_num_seqs: int = Field(16, ge=1, le=1024, description="Sequences the scheduler runs at once.")
     memory_budget_gib: float | None = Field(
         None, gt=0, description="CPU: memory each engine's process tree may use, GiB (default "
-        f"{DEFAULT_BUDGET_GIB:g} unless kv_cache_gib is set). Its KV pool is what the budget leaves after the "
-        "weights as loaded and the runtime reserve measured once per run, so what quantization frees shows as "
-        "KV capacity (pipeline/measure/membudget.py). On GPUs the budget is gpu_memory_utilization and vLLM sizes the pool.")
+        f"{DEFAULT_BUDGET_GIB:g} unless kv_cache_gib is set). Each engine sizes its own KV pool to what the budget "
+        "leaves after its weights and its runtime, so what quantization frees shows as KV capacity "
+        "(pipeline/measure/membudget.py); an engine whose peak goes over the budget has its capacity marked so. "
+        "On GPUs the budget is gpu_memory_utilization and vLLM sizes the pool.")
     kv_cache_gib: float | None = Field(
         None, gt=0, description="A fixed KV pool in GiB for every variant instead of a budget (--kv-cache-memory-"
         "bytes; 'same pool' experiments): weight savings then do not show as capacity.")

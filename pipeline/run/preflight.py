@@ -70,61 +70,59 @@ def check_search(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
 
 
 def _base_plan(recipe: Recipe, model_dir: Path):
-    """The base model's pool plan under the recipe's budget, with the reserve this host measured before
-    (or none yet); None when not in budget mode or the config lacks the attention shapes."""
-    from pipeline.measure import membudget
-    from pipeline.stages import reserve as reserve_stage
+    """The base model's predicted pool under the recipe's budget, from this host's engine-overhead figures
+    (or the prior when it has none yet); None when not in budget mode or the config lacks the attention shapes."""
+    from pipeline.measure import membudget, overhead
     from pipeline.store import provenance
 
     if membudget.mode(recipe.engine, envs.has_nvidia_gpu()) != "budget":
-        return None, None
+        return None
     dtype = host.resolve_dtype(recipe.engine.dtype)
     act = provenance.dtype_bytes(dtype)
     cfg = modelcfg.read(model_dir)
-    known = reserve_stage.cached_reserve(recipe, model_dir, dtype)
     w = recipe.workload
     try:
+        figures = overhead.host_figures(dtype)
+        budget, source = membudget.run_budget(recipe.engine, cfg, model_dir, act, act, figures)
         p = membudget.plan(recipe.engine, cfg, model_dir, act, act, False,
-                           known or {"reserve_bytes": 0, "source": "not measured yet"},
+                           {**figures, "budget_bytes": budget, "budget_source": source},
                            seq_len=w.prompt_tokens + w.output_tokens)
     except KeyError:  # a config without the attention shapes: the engine's start will say what is wrong
-        return None, None
-    return (p, cfg, act), known
+        return None
+    return p, cfg, act
 
 
 def check_budget(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
-    """A memory budget that cannot hold the base model's weights as loaded, the runtime reserve (when
-    this host measured it before; the first run measures it) and one max_model_len sequence."""
+    """A memory budget that cannot hold the base model's weights as loaded, the engine's runtime and what its
+    sizing does not count (this host's measurements, else the prior) and one max_model_len sequence."""
     from pipeline.measure import membudget
 
     try:
-        planned, known = _base_plan(recipe, model_dir)
+        planned = _base_plan(recipe, model_dir)
         if planned is None:
             return
         p, cfg, act = planned
-        membudget.check_fits(p, cfg, recipe.engine, act, "the base model" + (
-            "" if known else " (before the runtime reserve, which the first run measures)"))
+        membudget.check_fits(p, cfg, recipe.engine, act, "the base model")
     except ValueError as exc:
         raise PreflightError(f"{recipe_path}: {exc}") from None
 
 
 def budget_statement(recipe: Recipe, model_dir: Path) -> str | None:
-    """What the budget leaves the base model, in one line (validate)."""
+    """What the budget is predicted to leave the base model, in one line, and how sure that is (validate)."""
     try:
-        planned, known = _base_plan(recipe, model_dir)
+        planned = _base_plan(recipe, model_dir)
     except ValueError:
         return None
     if planned is None:
         return None
     p = planned[0]
     w = recipe.workload
-    if not known:
-        return (f"budget {recipe.engine.budget_gib:g} GiB: base weights {p.weights_bytes / 2**30:.2f} GiB as loaded; "
-                "the runtime reserve is measured on the first run, then the KV pool is what is left")
-    return (f"budget {recipe.engine.budget_gib:g} GiB: base weights {p.weights_bytes / 2**30:.2f} GiB as loaded + "
-            f"runtime reserve {p.reserve_bytes / 2**30:.2f} GiB (measured {known['measured_at']}) leave a "
-            f"{p.pool_bytes / 2**30:.2f} GiB KV pool: {p.tokens:,} tokens, {p.admitted} requests of "
-            f"{w.prompt_tokens}+{w.output_tokens} tokens")
+    return (f"budget {p.budget_bytes / 2**30:g} GiB ({p.budget_source}): base weights "
+            f"{p.weights_bytes / 2**30:.2f} GiB as loaded + "
+            f"engine runtime {p.runtime_bytes / 2**30:.2f} GiB + {p.outside_bytes / 2**30:.2f} GiB outside its sizing "
+            f"leave a predicted {p.pool_bytes / 2**30:.2f} GiB KV pool: {p.tokens:,} tokens, {p.admitted} requests of "
+            f"{w.prompt_tokens}+{w.output_tokens} tokens (runtime figures {p.overhead_source}; each engine sizes its "
+            f"own pool, within ±{p.tolerance_bytes / 2**20:.0f} MiB of the budget)")
 
 
 def check_disk(recipe: Recipe, model_dir: Path) -> None:

@@ -25,14 +25,13 @@ from pipeline import schemes
 from pipeline.console import say
 from pipeline.engines import formats, interface
 from pipeline.engines.formats import Decision, Format
-from pipeline.measure import membudget
+from pipeline.measure import membudget, overhead
 from pipeline.recipe.schema import Recipe
 from pipeline.results import BudgetPlan, QualityResult, SystemsResult
 from pipeline.run.preflight import PreflightError, check_ray_address, preflight
 from pipeline.runstore import RunDir, RunLocked, hash_obj, open_run, read_result, run_lock, write_json
 from pipeline.setup import assets, envs, host, modelcfg
 from pipeline.stages import quantize as quantize_stage
-from pipeline.stages import reserve as reserve_stage
 from pipeline.stages.evaluate import ServeJob
 from pipeline.store import keys, outcome, provenance, resultcache
 from pipeline.store.outcome import Spent
@@ -74,18 +73,19 @@ def _reuse(vdir: Path, name: str, qh: str, sh: str, systems_skip: str | None):
 
 def pool_plan(ctx: RunContext, weights_dir: Path, kv_cache_dtype: str, name: str,
               projected_from: Path | None = None) -> BudgetPlan:
-    """The KV pool one engine gets under the recipe's memory budget (pipeline/measure/membudget.py); the
-    runtime reserve is measured once per run. A pool that cannot hold one sequence fails here, before
-    any engine starts."""
+    """The KV pool one engine is predicted to get under the recipe's memory budget
+    (pipeline/measure/membudget.py; the engine then sizes its own); what the engine's sizing does not count
+    is fixed once per run. A predicted pool that cannot hold one sequence fails here, before any engine starts."""
     gpu = envs.has_nvidia_gpu()
     act, kv = provenance.dtype_bytes(ctx.dtype), provenance.kv_elem_bytes(ctx.dtype, kv_cache_dtype)
-    reserve = None
-    if membudget.mode(ctx.recipe.engine, gpu) == "budget":
-        reserve = reserve_stage.reserve_for(ctx.recipe, ctx.run_dir.root, ctx.model_dir, ctx.model_id, ctx.dtype,
-                                            log=lambda m: say(name, m))
+    figures = None
     cfg = modelcfg.read(ctx.model_dir)
+    if membudget.mode(ctx.recipe.engine, gpu) == "budget":
+        figures = overhead.for_run(ctx.run_dir.root, ctx.dtype, log=lambda m: say(name, m))
+        budget, source = membudget.run_budget(ctx.recipe.engine, cfg, ctx.model_dir, act, act, figures)
+        figures = {**figures, "budget_bytes": budget, "budget_source": source}
     w = ctx.recipe.workload
-    p = membudget.plan(ctx.recipe.engine, cfg, weights_dir, act, kv, gpu, reserve, projected_from,
+    p = membudget.plan(ctx.recipe.engine, cfg, weights_dir, act, kv, gpu, figures, projected_from,
                        seq_len=w.prompt_tokens + w.output_tokens)
     membudget.check_fits(p, cfg, ctx.recipe.engine, kv, f"{name}'s weights")
     return p
@@ -309,20 +309,16 @@ def start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, d
 
 
 def plan(ctx: RunContext, recipe_path: Path) -> None:
-    """The run's planning stage, before any variant: under a memory budget the runtime reserve is
-    measured by its own probe engine (pipeline/stages/reserve.py, its result in the run folder's
-    reserve.json, its engine log beside it) or read from there, so a budget that cannot hold the base
-    model exits 2 here rather than failing every variant. (The Ray executor's tasks read or measure it on
-    their node instead.) A probe engine that fails is left to the baseline's stage, which retries it and
-    records the failure as its own."""
+    """The run's planning stage, before any variant: under a memory budget the figures kept outside each
+    engine's own sizing are fixed for the run (pipeline/measure/overhead.py, the run folder's
+    engine-overhead.json), so a budget that cannot hold the base model exits 2 here rather than failing
+    every variant. (The Ray executor's tasks read them on their node instead.)"""
     if ctx.recipe.executor.kind == "ray":
         return
     try:
         pool_plan(ctx, ctx.model_dir, "auto", "baseline")
     except ValueError as exc:
         raise PreflightError(f"{recipe_path}: {exc}") from None
-    except Exception as exc:  # noqa: BLE001
-        say("baseline", f"runtime reserve not measured yet: {type(exc).__name__}: {exc}"[:300])
 
 
 def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:

@@ -182,8 +182,8 @@ def admission_probe(server: Engine, stream: PromptStream, engine, kv: KVCapacity
             bar.advance()
         return True if st.queued else (False if st.overlapped else None)
 
-    knee, first_queued, unclear = find_knee(predicted, step)
-    bar.close()
+    with bar:  # ticks while a step runs
+        knee, first_queued, unclear = find_knee(predicted, step)
     if not steps:
         raise ValueError(f"admission probe: {error}")
     ordered = [steps[c] for c in sorted(steps)]

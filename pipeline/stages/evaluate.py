@@ -18,6 +18,7 @@ from pathlib import Path
 from pipeline import progress
 from pipeline.engines import interface
 from pipeline.engines.interface import Launch
+from pipeline.measure import overhead
 from pipeline.results import BudgetPlan, QualityResult, SystemsResult
 from pipeline.runstore import write_json
 from pipeline.stages import admission, quality, systems
@@ -44,11 +45,14 @@ class ServeJob:
     def launch(self, recipe, dtype: str, log_path: Path, say=None) -> Launch:
         """The engine start this job needs: the recipe's engine settings plus what the job changes (and where
         its start reports progress: `say`, not part of what it depends on)."""
+        p = self.plan
+        budget = p is not None and p.mode == "budget"
         return Launch(self.weights, recipe.engine, dtype, log_path, recipe.model.trust_remote_code,
                       kv_cache_dtype=self.kv_cache_dtype, load_quantization=self.load_quantization,
                       tokenizer=self.tokenizer, max_logprobs=max_logprobs(recipe),
-                      kv_pool_bytes=self.plan.pool_bytes if self.plan is not None else None, numerics=self.numerics,
-                      say=say)
+                      kv_pool_bytes=p.pool_bytes if p is not None and p.mode == "fixed" else None,
+                      memory_budget_bytes=p.budget_bytes if budget else None,
+                      outside_bytes=p.outside_bytes or 0 if budget else 0, numerics=self.numerics, say=say)
 
 
 def max_logprobs(recipe) -> int | None:
@@ -118,7 +122,11 @@ def _evaluate(job: ServeJob, recipe, dtype: str, needs: Needs, log, spent):
             if s is not None:
                 systems.record_memory(s, server.memory)
                 systems.verify_plan(s, model_dir, recipe.engine, kv_bytes,
-                                    recipe.workload.prompt_tokens + recipe.workload.output_tokens)
+                                    recipe.workload.prompt_tokens + recipe.workload.output_tokens, server.pool_sizing())
+                if s.kv is not None and s.kv.plan is not None and s.kv.plan.mode == "budget":
+                    overhead.record(dtype, overhead.measured(s.kv.plan.sizing, s.kv.plan.peak_bytes,
+                                                           s.kv.plan.engine_weights_bytes),
+                                   s.kv.plan.tolerance_bytes, variant)
                 write_json(vdir / "systems.json", s)
                 log("systems: " + systems.summary(s))
     finally:

@@ -48,14 +48,22 @@ def kv_capacity(layout: KVLayout, model_dir: Path, engine, kv_bytes_per_elem: in
                       plan=plan.model_copy() if plan is not None else None)
 
 
-def verify_plan(s: SystemsResult, model_dir: Path, engine, kv_bytes_per_elem: int, seq_len: int) -> None:
-    """The pool plan beside what the engine did: its KV tokens, the weights it loaded, its peak memory."""
+def verify_plan(s: SystemsResult, model_dir: Path, engine, kv_bytes_per_elem: int, seq_len: int,
+                sizing: dict | None = None) -> None:
+    """The pool plan beside what the engine did: the pool it chose (`sizing`: how), its KV tokens, the
+    weights it loaded, its peak memory."""
     if s.kv is None or s.kv.plan is None:
         return
-    membudget.verify(s.kv.plan, modelcfg.read(model_dir), kv_bytes_per_elem, engine.tensor_parallel_size,
-                     s.kv.block_size, s.kv.tokens, (s.weight_memory or {}).get("parameters"),
-                     s.peak_memory_hwm_bytes or s.peak_memory_bytes,
-                     seq_len)
+    cfg, tp = modelcfg.read(model_dir), engine.tensor_parallel_size
+    membudget.verify(s.kv.plan, cfg, kv_bytes_per_elem, tp, s.kv.block_size, s.kv.tokens,
+                     (s.weight_memory or {}).get("parameters"), s.peak_memory_hwm_bytes or s.peak_memory_bytes,
+                     seq_len, sizing)
+    logged = (sizing or {}).get("pool_bytes_logged")
+    if logged is not None and s.kv.block_size:  # the arithmetic on the pool the engine logged it chose
+        lay = capacity.layout(cfg, kv_bytes_per_elem, block=s.kv.block_size, tp=tp)
+        s.kv.pool_bytes_config, s.kv.tokens_config = logged, lay.tokens(logged)
+    s.kv.plan.across = membudget.across_budgets(s.kv.plan, cfg, kv_bytes_per_elem, tp, seq_len,
+                                                engine.max_model_len) or None
 
 
 def run_systems(server: Engine, model_dir: Path, recipe, variant: str, input_hash: str,
@@ -143,16 +151,15 @@ def measure_cell(server: Engine, stream: PromptStream, w, prompt_tokens: int, ou
     requests, and each repeat's own percentiles, whose spread gates judge noise against."""
     records, wall, repeats = [], 0.0, []
     what = f"latency {prompt_tokens}/{output_tokens} c={concurrency}{' shared' if prefix == 'shared' else ''}"
-    bar = Progress(what, w.repeats * w.num_requests, "requests", label)
-    for _ in range(w.repeats):
-        batch = stream.take(w.num_requests, prompt_tokens, shared_prefix=prefix == "shared")
-        recs, secs = loadgen.run_closed_loop(server.port, server.served_name, batch, output_tokens, concurrency,
-                                             w.request_timeout_s, on_done=bar.advance)
-        records += recs
-        wall += secs
-        one = loadgen.summarize(recs, secs)
-        repeats.append({f"{k}_{q}": one[f"{k}_ms"][q] for k in ("ttft", "tpot") for q in ("p50", "p99")})
-    bar.close()
+    with Progress(what, w.repeats * w.num_requests, "requests", label) as bar:
+        for _ in range(w.repeats):
+            batch = stream.take(w.num_requests, prompt_tokens, shared_prefix=prefix == "shared")
+            recs, secs = loadgen.run_closed_loop(server.port, server.served_name, batch, output_tokens, concurrency,
+                                                 w.request_timeout_s, on_done=bar.advance)
+            records += recs
+            wall += secs
+            one = loadgen.summarize(recs, secs)
+            repeats.append({f"{k}_{q}": one[f"{k}_ms"][q] for k in ("ttft", "tpot") for q in ("p50", "p99")})
     latency = loadgen.summarize(records, wall, w.slo_ttft_ms, w.slo_tpot_ms, w.cost_per_hour_usd)
     p50s = [r["tpot_p50"] for r in repeats if r["tpot_p50"] is not None]
     latency["repeats"] = repeats

@@ -28,7 +28,8 @@ QUANTIZE_KEY_VERSION = 1
 QUALITY_KEY_VERSION = 2
 # 1: the admission probe is a concurrency ramp whose output is sized from the token budget
 # 2: the KV pool sized by a memory budget (pipeline/measure/membudget.py)
-SYSTEMS_KEY_VERSION = 2
+# 3: each engine sizes its own pool under the budget; the figure kept outside its sizing keys it
+SYSTEMS_KEY_VERSION = 3
 
 # the code that measures, fingerprinted into each key: a fix to a measurement recomputes exactly the
 # results it measured (the engine-side hook and the server wrapper serve both stages)
@@ -39,7 +40,7 @@ ENGINE_SIDE = tuple(sorted(p for p in (PIPELINE / "engines").rglob("*.py") if "w
 QUALITY_CODE = (PIPELINE / "stages" / "quality.py", PIPELINE / "suites.py", PIPELINE / "measure" / "drift.py",
                 ROOT / "evalsuites" / "qe_utils.py", *ENGINE_SIDE)
 SYSTEMS_CODE = (PIPELINE / "stages" / "systems.py", PIPELINE / "stages" / "admission.py", PIPELINE / "measure" / "prompts.py",
-                PIPELINE / "measure" / "capacity.py", PIPELINE / "measure" / "membudget.py", PIPELINE / "stages" / "reserve.py",
+                PIPELINE / "measure" / "capacity.py", PIPELINE / "measure" / "membudget.py", PIPELINE / "measure" / "overhead.py",
                 PIPELINE / "measure" / "loadgen.py", PIPELINE / "engines" / "memory.py", *ENGINE_SIDE)
 
 
@@ -109,6 +110,10 @@ def evaluate_keys(recipe, weights_hash: str, dtype: str, options: dict, plan=Non
     it computes (the engine kind's numerics_env; None: the default every engine gets)."""
     common = _common(recipe, weights_hash, dtype, options, numerics)
     pool = recipe.engine.model_dump(include=set(POOL_FIELDS))
-    pool["plan"] = plan.model_dump(include={"mode", "budget_bytes", "reserve_bytes", "pool_bytes", "projected"}) \
-        if plan is not None else None
+    # what the engine is started with; a budget-sized engine's pool is its own doing, so only a projected
+    # plan's predicted pool (which is its result) and a fixed pool key it
+    fields = {"mode", "budget_bytes", "outside_bytes", "projected"}
+    if plan is not None and (plan.projected or plan.mode == "fixed"):
+        fields |= {"pool_bytes", "runtime_bytes"}
+    pool["plan"] = plan.model_dump(include=fields) if plan is not None else None
     return quality_key(recipe, common), systems_key(recipe, {**common, "pool": pool})

@@ -25,6 +25,8 @@ import psutil
 
 from pipeline.engines.interface import EngineError, KVLayout, Launch, free_port
 from pipeline.engines.memory import MemorySampler, device_used_bytes
+from pipeline.engines.vllm.sizing import fraction as sized_fraction
+from pipeline.engines.vllm.sizing import readback as sizing_readback
 from pipeline.setup import envs
 
 SERVED_NAME = "model"
@@ -54,9 +56,10 @@ def start_phase(log_text: str) -> str:
     return phase
 
 
-def engine_args(engine, dtype: str, kv_pool_bytes: int | None = None) -> list[str]:
-    """CLI arguments shared by every variant (the controlled part of the experiment), and the KV pool
-    this engine gets (pipeline/measure/membudget.py sizes it; None: vLLM sizes it within gpu_memory_utilization)."""
+def engine_args(engine, dtype: str, kv_pool_bytes: int | None = None, cpu_fraction: float | None = None) -> list[str]:
+    """CLI arguments shared by every variant (the controlled part of the experiment), and how this engine's
+    KV pool is sized: a fixed pool, else vLLM sizes it within a memory fraction (on CPU `cpu_fraction`,
+    derived from the budget by sizing.fraction; on GPUs the recipe's gpu_memory_utilization)."""
     args = ["--max-model-len", str(engine.max_model_len), "--max-num-seqs", str(engine.max_num_seqs),
             "--dtype", dtype, "--seed", str(engine.seed)]
     if kv_pool_bytes is not None:
@@ -67,6 +70,8 @@ def engine_args(engine, dtype: str, kv_pool_bytes: int | None = None) -> list[st
         args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
     if envs.has_nvidia_gpu():
         args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+    elif kv_pool_bytes is None and cpu_fraction is not None:
+        args += ["--gpu-memory-utilization", f"{cpu_fraction:.6f}"]
     return args
 
 
@@ -144,6 +149,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.memory: MemorySampler | None = None
         self.start_s: float | None = None
+        self.sizing: dict | None = None  # sizing.fraction's figures, taken just before the launch
         self.busy_s = 0.0  # seconds the engine was alive, spawn to stop (the run's accounting)
 
     @property
@@ -155,7 +161,8 @@ class Server:
                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
                "--host", "127.0.0.1", "--port", str(self.port), "--disable-uvicorn-access-log",
-               *engine_args(self.engine, self.dtype, self.kv_pool_bytes), *self.extra_args]
+               *engine_args(self.engine, self.dtype, self.kv_pool_bytes,
+                            self.sizing["fraction"] if self.sizing else None), *self.extra_args]
         if self.trust_remote_code:
             cmd.append("--trust-remote-code")
         return cmd
@@ -183,6 +190,11 @@ class Server:
         log = open(self.log_path, "w")
         gpu = envs.has_nvidia_gpu()
         device_before = device_used_bytes() if gpu else None  # for attributing device memory without PIDs
+        if self.spec.memory_budget_bytes is not None and self.kv_pool_bytes is None and not gpu:
+            try:  # the node's memory now, as the worker will read it in a few seconds
+                self.sizing = sized_fraction(self.spec.memory_budget_bytes, self.spec.outside_bytes)
+            except ValueError as exc:
+                raise EngineError(f"engine.memory_budget_gib: {exc}") from None
         t0 = self._t_started = time.perf_counter()
         root = Path(__file__).resolve().parents[3]  # the checkout: the engine imports pipeline.engines.engine_guard
         hooks = Path(__file__).resolve().parent / "hooks"  # sitecustomize: reports loaded weight bytes
@@ -324,6 +336,12 @@ class Server:
                 except ValueError:
                     pass
         return out
+
+    def pool_sizing(self) -> dict | None:
+        """The budget's fraction as it was derived at launch and what vLLM read and decided (sizing.readback)."""
+        if self.sizing is None:
+            return None
+        return {**self.sizing, **(sizing_readback(self._log_text()) or {})}
 
     def kv_layout(self) -> KVLayout:
         """The pool as vLLM cut it, from its vllm:cache_config_info gauge."""

@@ -1,0 +1,119 @@
+"""What an engine holds that its own pool sizing does not count: the budget keeps room for it.
+
+Each engine sizes its own KV pool under the budget (pipeline/engines/vllm/sizing.py): its worker asks for
+a fraction of the node's memory and the pool is that request minus what the worker then holds, so each
+variant's weights and runtime are counted by its own engine. Two figures the engine cannot know are kept
+here, per host, engine environment and dtype:
+
+    outside   what the engine's process tree holds at its peak beyond the worker's request: the API
+              server, helper processes, the worker's transient above the memory it sized from. The
+              budget keeps it aside: fraction = (budget - outside) / node memory.
+    runtime   the worker's memory besides its weights and its pool (interpreter, vLLM, warm-up
+              activations). Used only to predict: whether a budget holds the model (validate) and the
+              capacity of a variant no engine runs natively here (projected, and labelled so).
+
+Every budget-sized engine that serves the systems load measures both (its peak from the memory sampler,
+the rest read back from its log). A run fixes the figures it uses when it first needs them (the run
+folder's engine-overhead.json), so every variant of a run is sized alike; the host's `outside` only rises,
+and only by more than the budget's tolerance (a serving load heavier than any before), so a rerun keys the
+same results and a heavier recipe's peak is kept from then on. A host with none yet starts from PRIOR; the
+first engine's peak, checked against the budget, says whether it held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from pipeline.runstore import hash_obj, write_json
+from pipeline.setup import envs, host
+
+GIB = 2**30
+VERSION = 1
+# vLLM 0.32 on CPU: the API server process holds ~0.95 GiB once it has imported vLLM and loaded the
+# tokenizer, and an eager worker grows by a few hundred MiB past the memory it sized from once it serves a
+# full batch (it sizes before any forward pass when graphs are not compiled); the worker holds ~0.85-1.1
+# GiB besides weights and pool. Rounded up, as a first engine on a host has nothing better to go on (its
+# peak check then says whether it held)
+PRIOR = {"outside_bytes": int(1.25 * GIB), "runtime_bytes": int(0.9 * GIB),
+         "source": "not measured on this host yet: the figures vLLM 0.32 held on the CPU kinds measured"}
+
+
+def host_key(dtype: str) -> str:
+    """This host's engine as far as its overhead goes: the engine environment, the dtype, the CPU (or GPU)
+    kind, cores and machine; not the memory size, which moves on some machines while they run."""
+    gpu = envs.has_nvidia_gpu()
+    return hash_obj({"version": VERSION, "dtype": dtype, "engine_env": envs.requirements_file("engine").read_text(),
+                     "kind": "cuda" if gpu else host.cpu_kind(), "cpus": os.cpu_count(), "node": platform.node()})
+
+
+def _host_file(dtype: str) -> Path:
+    return envs.home() / "results" / "engine-overhead" / f"{host_key(dtype)}.json"
+
+
+def _read(path: Path, key: str, field: str = "key") -> dict | None:
+    """The figures in `path` if its `field` is `key` (a host's key, a run's dtype), else None."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return d if d.get(field) == key else None
+
+
+def host_figures(dtype: str) -> dict:
+    """This host's measured figures, else PRIOR (each with its source)."""
+    key = host_key(dtype)
+    return _read(_host_file(dtype), key) or {"key": key, **PRIOR}
+
+
+def for_run(run_root: Path, dtype: str, log=print) -> dict:
+    """The figures every engine of this run is sized with: fixed by the first engine that needs them."""
+    here = run_root / "engine-overhead.json"
+    if (d := _read(here, dtype, "dtype")) is not None:
+        return d
+    run_root.mkdir(parents=True, exist_ok=True)
+    with open(run_root / "engine-overhead.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # every Ray node shares the run folder, and these figures
+        if (d := _read(here, dtype, "dtype")) is not None:
+            return d
+        d = {**host_figures(dtype), "dtype": dtype}
+        log(f"memory budget: {d['outside_bytes'] / GIB:.2f} GiB kept for what the engine's own sizing does not "
+            f"count ({d['source']})")
+        write_json(here, d)
+        return d
+
+
+def measured(sizing: dict, peak_bytes: int | None, weights_bytes: int | None) -> dict | None:
+    """outside and runtime as one engine measured them; None where it could not say."""
+    if not sizing or peak_bytes is None or "requested_bytes" not in sizing:
+        return None
+    out = {"outside_bytes": peak_bytes - sizing["requested_bytes"]}
+    if weights_bytes is not None:
+        out["runtime_bytes"] = sizing["non_kv_bytes"] - weights_bytes
+    return out
+
+
+def record(dtype: str, figures: dict | None, tolerance_bytes: int, model: str) -> None:
+    """Keep an engine's measurement as the host's figures when the host has none; after that `outside`
+    only rises (by more than the tolerance: a heavier serving load than any before, whose peak the budget
+    must keep too), and `runtime` follows a change beyond the tolerance. Within it the host's figures, and
+    so every result key, stay."""
+    if not figures or "runtime_bytes" not in figures:
+        return
+    path = _host_file(dtype)
+    old = _read(path, host_key(dtype))
+    if old is not None:
+        rises = figures["outside_bytes"] > old["outside_bytes"] + tolerance_bytes
+        moved = abs(figures["runtime_bytes"] - old["runtime_bytes"]) > tolerance_bytes
+        if not (rises or moved):
+            return
+        figures = {**figures, "outside_bytes": max(figures["outside_bytes"], old["outside_bytes"])}
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"key": host_key(dtype), **figures,
+                          "source": f"measured on this host by an engine of {model} ({time.strftime('%Y-%m-%d %H:%M')})"})
