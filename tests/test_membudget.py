@@ -156,21 +156,24 @@ def test_validate_states_what_the_budget_leaves_from_this_hosts_figures(tmp_path
     r = load(p)
     prior = preflight.budget_statement(r, model)
     assert "not measured on this host yet" in prior
-    # an engine's measurement becomes the host's figures; one within the tolerance leaves them (and the keys) be
+    # a first engine that held less than the prior leaves the outside figure (and so every key) be; its
+    # runtime, off by more than the tolerance, becomes the host's
     overhead.record("float32", {"outside_bytes": 2**29, "runtime_bytes": 2**28}, 2**26, "m")
+    assert overhead.host_figures("float32")["outside_bytes"] == overhead.PRIOR["outside_bytes"]
     line = preflight.budget_statement(r, model)
-    plan = membudget.plan(r.engine, CFG, model, 4, 4, False, {**OVERHEAD, "outside_bytes": 2**29,
+    plan = membudget.plan(r.engine, CFG, model, 4, 4, False, {**OVERHEAD, "outside_bytes": overhead.PRIOR["outside_bytes"],
                                                               "runtime_bytes": 2**28}, seq_len=320)
     assert f"leave a predicted {plan.pool_bytes / 2**30:.2f} GiB KV pool: {plan.tokens:,} tokens" in line
-    assert "measured on this host by an engine of m" in line
-    overhead.record("float32", {"outside_bytes": 2**29 + 2**25, "runtime_bytes": 2**28}, 2**26, "other")
-    assert "an engine of m " in preflight.budget_statement(r, model)
+    assert "outside: the prior" in line and "runtime: measured on this host by an engine of m " in line
+    heavy = overhead.PRIOR["outside_bytes"]
+    overhead.record("float32", {"outside_bytes": heavy + 2**25, "runtime_bytes": 2**28}, 2**26, "other")
+    assert "outside: the prior" in preflight.budget_statement(r, model)  # within the tolerance: kept
+    overhead.record("float32", {"outside_bytes": heavy + 2**27, "runtime_bytes": 2**28}, 2**26, "heavier")
+    assert "outside: measured on this host by an engine of heavier " in preflight.budget_statement(r, model)
     overhead.record("float32", {"outside_bytes": 2**28, "runtime_bytes": 2**28}, 2**26, "lighter")
-    assert "an engine of m " in preflight.budget_statement(r, model)  # outside never falls: peaks seen stay kept
-    overhead.record("float32", {"outside_bytes": 2**29 + 2**27, "runtime_bytes": 2**28}, 2**26, "heavier")
-    assert "an engine of heavier " in preflight.budget_statement(r, model)
+    assert "an engine of heavier " in preflight.budget_statement(r, model)  # outside never falls: peaks seen stay kept
     overhead.record("float32", {"outside_bytes": 2**28, "runtime_bytes": 2**29}, 2**26, "runtime moved")
-    assert overhead.host_figures("float32")["outside_bytes"] == 2**29 + 2**27  # kept while runtime follows
+    assert overhead.host_figures("float32")["outside_bytes"] == heavy + 2**27  # kept while runtime follows
     assert overhead.host_figures("float32")["runtime_bytes"] == 2**29
 
 

@@ -14,10 +14,11 @@ here, per host, engine environment and dtype:
 
 Every budget-sized engine that serves the systems load measures both (its peak from the memory sampler,
 the rest read back from its log). A run fixes the figures it uses when it first needs them (the run
-folder's engine-overhead.json), so every variant of a run is sized alike; the host's `outside` only rises,
-and only by more than the budget's tolerance (a serving load heavier than any before), so a rerun keys the
-same results and a heavier recipe's peak is kept from then on. A host with none yet starts from PRIOR; the
-first engine's peak, checked against the budget, says whether it held.
+folder's engine-overhead.json), so every variant of a run is sized alike. The host's `outside` starts at
+PRIOR and only rises, and only by more than the budget's tolerance (a serving load heavier than any
+before): `outside` keys every budget-sized result, so a rerun, or another recipe on the same model, keys
+the same results, and a heavier recipe's peak is kept from then on. Each engine's own peak, checked
+against the budget, says whether the figure held.
 """
 
 from __future__ import annotations
@@ -99,21 +100,26 @@ def measured(sizing: dict, peak_bytes: int | None, weights_bytes: int | None) ->
 
 
 def record(dtype: str, figures: dict | None, tolerance_bytes: int, model: str) -> None:
-    """Keep an engine's measurement as the host's figures when the host has none; after that `outside`
-    only rises (by more than the tolerance: a heavier serving load than any before, whose peak the budget
-    must keep too), and `runtime` follows a change beyond the tolerance. Within it the host's figures, and
-    so every result key, stay."""
+    """Keep what an engine measured as the host's figures. `outside` only rises, and only by more than the
+    tolerance (a heavier serving load than any before, whose peak the budget must keep too), from PRIOR on
+    a host with none: a first engine that held less leaves PRIOR be, so the figure a fresh host's first
+    run was sized with, and so every result key, stays for the next run. `runtime` follows a change beyond
+    the tolerance. Each figure's source says which engine set it."""
     if not figures or "runtime_bytes" not in figures:
         return
     path = _host_file(dtype)
     old = _read(path, host_key(dtype))
-    if old is not None:
-        rises = figures["outside_bytes"] > old["outside_bytes"] + tolerance_bytes
-        moved = abs(figures["runtime_bytes"] - old["runtime_bytes"]) > tolerance_bytes
-        if not (rises or moved):
-            return
-        figures = {**figures, "outside_bytes": max(figures["outside_bytes"], old["outside_bytes"])}
+    prior = "the prior, which no engine on this host has exceeded"
+    base = old or {**PRIOR, "outside_source": prior, "runtime_source": prior}
+    when = f"measured on this host by an engine of {model} ({time.strftime('%Y-%m-%d %H:%M')})"
+    new = dict(base)
+    if figures["outside_bytes"] > base["outside_bytes"] + tolerance_bytes:
+        new.update(outside_bytes=figures["outside_bytes"], outside_source=when)
+    if abs(figures["runtime_bytes"] - base["runtime_bytes"]) > tolerance_bytes:
+        new.update(runtime_bytes=figures["runtime_bytes"], runtime_source=when)
+    if old is not None and new == old:
+        return
+    new["source"] = f"outside: {new['outside_source']}; runtime: {new['runtime_source']}"
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"key": host_key(dtype), **figures,
-                          "source": f"measured on this host by an engine of {model} ({time.strftime('%Y-%m-%d %H:%M')})"})
+        write_json(path, {**new, "key": host_key(dtype)})
