@@ -7,7 +7,8 @@
     quantize-eval validate RECIPE   check a recipe without running anything
     quantize-eval report RUN_DIR    re-render report.html/results.json from a run folder
     quantize-eval compare A B       what changed between two runs; exit 1 on a regression,
-                                    3 when the runs are not like for like
+                                    3 when the runs are not like for like, or one is unfinished
+                                    or lacks a variant or suite the other has
     quantize-eval make-legacy MODEL OUT --format gptq|awq
                                     an RTN 4-bit checkpoint in AutoGPTQ/AutoAWQ layout, to
                                     try `scheme: import` (recipes/import.yaml)
@@ -67,11 +68,11 @@ def cmd_compare(args) -> int:
     from reports.compare import CompareError, compare
 
     try:
-        lines, regressed, alike = compare(Path(args.run_a), Path(args.run_b))
+        lines, regressed, alike, absent = compare(Path(args.run_a), Path(args.run_b))
     except CompareError as exc:
         return fail(str(exc))
     print("\n".join(lines))
-    return 1 if regressed else (3 if not alike else 0)
+    return 3 if absent else 1 if regressed else (3 if not alike else 0)
 
 
 def cmd_make_legacy(args) -> int:

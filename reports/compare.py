@@ -11,7 +11,11 @@ then, per variant present in both:
   compute   the precision the engine computed each variant in (W4A16 vs W4A8, weight-only FP8 vs
             FP8 x FP8) and the engine environment that chose it: a change makes that variant not
             like for like, said before its deltas
-  verdict   PASS/WARN in A and FAIL, FAILED-TO-RUN or UNVERIFIED in B is a regression
+  verdict   PASS in A and anything else in B is a regression (WARN, INCONCLUSIVE, SKIPPED included), as
+            is WARN in A and anything but PASS/WARN in B
+  missing   an unfinished run (no sign-off), a variant in one run only, or a suite one side scored and
+            the other did not: nothing about it can be compared, so compare names it and exits 3
+            whatever else it found
   capacity  checkpoint bytes, weights as loaded, KV tokens and admission are deterministic: any
             worsening is a regression; peak memory is sampled, so only beyond 10%
   latency   a regression only beyond max(5%, twice the repeat spread of either run); a run without
@@ -34,7 +38,12 @@ PROVENANCE_KEYS = (("model", "weights_sha256"), ("model", "tokenizer_sha256"), (
                    ("recipe", "calibration"), ("recipe", "variants"), ("engine_dtype",), ("engine_numerics_env",),
                    ("versions",),
                    ("hardware",))
-BAD = ("FAIL", "FAILED-TO-RUN", "UNVERIFIED")
+GOOD = ("PASS", "WARN")  # ordered: from the first, anything else is worse; from the second, anything not GOOD
+
+
+def _worse(a: str | None, b: str | None) -> bool:
+    """Is verdict b a step down from verdict a? (PASS -> anything not PASS; WARN -> anything not PASS/WARN.)"""
+    return a in GOOD and b not in GOOD[:GOOD.index(a) + 1]
 
 
 class CompareError(Exception):
@@ -150,27 +159,48 @@ def verdict_lines(a: dict, b: dict) -> tuple[list[str], bool]:
     va = {v["variant"]: v["verdict"] for v in sa.get("variants", [])}
     vb = {v["variant"]: v["verdict"] for v in sb.get("variants", [])}
     lines, regressed = [], False
-    for name in va.keys() & vb.keys():
-        worse = va[name] in ("PASS", "WARN") and vb[name] in BAD
+    for name in sorted(va.keys() & vb.keys()):
+        worse = _worse(va[name], vb[name])
         regressed |= worse
         if va[name] != vb[name]:
             lines.append(f"{name}: verdict {va[name]} -> {vb[name]}" + ("  REGRESSION" if worse else ""))
-    worse = sa.get("verdict") in ("PASS", "WARN") and sb.get("verdict") in BAD
+    worse = _worse(sa.get("verdict"), sb.get("verdict"))
     lines.append(f"verdict: {sa.get('verdict')} -> {sb.get('verdict')}" + ("  REGRESSION" if worse else ""))
     return lines, regressed or worse
 
 
-def compare(a_dir: Path, b_dir: Path) -> tuple[list[str], bool, bool]:
-    """Lines to print, whether anything regressed beyond noise, and whether like for like."""
+def missing(a_dir: Path, b_dir: Path, a: dict, b: dict) -> list[str]:
+    """What one side lacks that the other has: nothing about it can be compared (exit 3, named)."""
+    out = []
+    for side, d, r in (("A", a_dir, a), ("B", b_dir, b)):
+        if not (r.get("signoff") or {}).get("verdict"):
+            out.append(f"run {side} ({d}) is unfinished: it has no sign-off")
+    for name in a["variants"]:
+        if name not in b["variants"]:
+            out.append(f"variant {name} is in A only")
+    out += [f"variant {name} is in B only" for name in b["variants"] if name not in a["variants"]]
+    for name in sorted(a["variants"].keys() & b["variants"].keys()):
+        qa = (a["variants"][name].get("quality") or {}).get("suites") or {}
+        qb = (b["variants"][name].get("quality") or {}).get("suites") or {}
+        out += [f"{name}: suite {s} was scored in A only" for s in sorted(qa.keys() - qb.keys())]
+        out += [f"{name}: suite {s} was scored in B only" for s in sorted(qb.keys() - qa.keys())]
+    return out
+
+
+def compare(a_dir: Path, b_dir: Path) -> tuple[list[str], bool, bool, list[str]]:
+    """Lines to print, whether anything regressed beyond noise, whether like for like, and what one side
+    lacks (each a reason the comparison is incomplete)."""
     a, b = _results(a_dir), _results(b_dir)
     lines = [f"A: {a_dir}", f"B: {b_dir}"]
+    absent = missing(a_dir, b_dir, a, b)
+    lines += [f"CANNOT COMPARE: {m}" for m in absent]
     diffs = [".".join(k) for k in PROVENANCE_KEYS if _get(a["manifest"], k) != _get(b["manifest"], k)]
     lines.append("NOT LIKE FOR LIKE: the runs differ in " + ", ".join(diffs) + " — deltas below mix causes" if diffs
-                 else "comparable: same weights, tokenizer, engine arguments, dtype, versions and hardware")
+                 else "same weights, tokenizer, engine arguments, dtype, versions and hardware"
+                 + ("" if absent else ": comparable"))
     regressed = False
     for name in a["variants"]:
         if name not in b["variants"]:
-            lines.append(f"{name}: only in A")
             continue
         va, vb = a["variants"][name], b["variants"][name]
         path, same_path = compute_lines(name, va, vb)
@@ -185,6 +215,5 @@ def compare(a_dir: Path, b_dir: Path) -> tuple[list[str], bool, bool]:
         for more, worse in parts:
             lines += more
             regressed |= worse
-    lines += [f"{name}: only in B" for name in b["variants"] if name not in a["variants"]]
     more, worse = verdict_lines(a, b)
-    return lines + more, regressed or worse, not diffs
+    return lines + more, regressed or worse, not diffs, absent

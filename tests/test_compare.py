@@ -116,3 +116,47 @@ def test_a_changed_compute_path_is_not_like_for_like(tmp_path, capsys):
     assert cli.main(["compare", *map(str, runs)]) == 3
     out = capsys.readouterr().out
     assert "v4: NOT LIKE FOR LIKE: computed as W4A16, activations bfloat16 [VLLM_CPU_INT4_W4A8=0] in A, W4A8" in out
+
+
+def test_an_unfinished_run_is_exit_3_naming_it(tmp_path, capsys):
+    """Comparing against a run that has not signed off said 'comparable' and 'PASS -> None', exit 0."""
+    a = finished(tmp_path / "a", {"piqa": [1] * 60 + [0] * 40})
+    b = finished(tmp_path / "b", {"piqa": [1] * 60 + [0] * 40})
+    (b / "signoff.json").unlink()
+    render_run(b)
+    assert cli.main(["compare", str(a), str(b)]) == 3
+    out = capsys.readouterr().out
+    assert f"CANNOT COMPARE: run B ({b}) is unfinished: it has no sign-off" in out and ": comparable" not in out
+
+
+def test_a_missing_variant_or_suite_is_exit_3_even_beside_a_regression(tmp_path, capsys):
+    a = finished(tmp_path / "a", {"piqa": [1] * 60 + [0] * 40})
+    b = finished(tmp_path / "b", {"piqa": [1] * 20 + [0] * 80})  # a regression too: the gap still decides
+    res = json.loads((b / "results.json").read_text())
+    res["variants"]["v4"]["quality"]["suites"].pop("piqa")
+    (b / "results.json").write_text(json.dumps(res))
+    assert cli.main(["compare", str(a), str(b)]) == 3
+    assert "CANNOT COMPARE: v4: suite piqa was scored in A only" in capsys.readouterr().out
+    res["variants"]["v5"] = res["variants"].pop("v4")
+    (b / "results.json").write_text(json.dumps(res))
+    assert cli.main(["compare", str(a), str(b)]) == 3
+    out = capsys.readouterr().out
+    assert "CANNOT COMPARE: variant v4 is in A only" in out and "CANNOT COMPARE: variant v5 is in B only" in out
+
+
+def test_pass_to_anything_but_pass_is_a_regression(tmp_path, capsys):
+    a = finished(tmp_path / "a", {"piqa": [1] * 60 + [0] * 40})
+    b = finished(tmp_path / "b", {"piqa": [1] * 60 + [0] * 40})
+    for root, verdict in ((a, "PASS"), (b, "SKIPPED")):
+        so = json.loads((root / "signoff.json").read_text())
+        so["verdict"], so["variants"][0]["verdict"] = verdict, verdict
+        write_json(root / "signoff.json", so)
+        render_run(root)
+    assert cli.main(["compare", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "v4: verdict PASS -> SKIPPED  REGRESSION" in out and "verdict: PASS -> SKIPPED  REGRESSION" in out
+    from reports.compare import _worse
+
+    assert [_worse("PASS", x) for x in ("PASS", "WARN", "INCONCLUSIVE", "FAIL")] == [False, True, True, True]
+    assert [_worse("WARN", x) for x in ("PASS", "WARN", "INCONCLUSIVE", "SKIPPED")] == [False, False, True, True]
+    assert not _worse("FAIL", "PASS") and not _worse(None, "FAIL")
