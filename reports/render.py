@@ -29,7 +29,7 @@ from reports.systems import admission_section, latency_section, matrix_section, 
 from reports.verdict import gates_section, verdict_section
 from reports.view import Run, read_run
 
-__all__ = ["CSV_COLUMNS", "ReportError", "collect", "pareto", "render_html", "render_run", "to_csv"]
+__all__ = ["CSV_COLUMNS", "ReportError", "collect", "mark_incomplete", "pareto", "render_html", "render_run", "to_csv"]
 
 
 class ReportError(Exception):
@@ -129,3 +129,18 @@ def render_run(run_dir: Path) -> Path:
     out = run_dir / "report.html"
     atomic_write_text(out, render_html(data, run_dir))
     return out
+
+
+def mark_incomplete(run_dir: Path, why: str) -> None:
+    """The first thing a (re)run does to its folder, before any other work: every output says INCOMPLETE.
+    Each file is replaced by an atomic rename, the page first and the verdict's sources (signoff.json, the
+    search's answer) last, so a rerun killed at any point leaves no output that shows the last run's
+    verdict (the full page follows once the manifest is written)."""
+    banner = f"INCOMPLETE — NO VERDICT: {why}"
+    atomic_write_text(run_dir / "report.html", f"<!doctype html><meta charset='utf-8'><style>{CSS}</style>"
+                      f"<div class='banner INCOMPLETE'>{escape(banner)}</div>")
+    write_json(run_dir / "results.json", {"schema_version": 1, "incomplete": why, "manifest": {}, "signoff": None,
+                                          "variants": {}})
+    atomic_write_text(run_dir / "results.csv", ",".join(CSV_COLUMNS) + "\n")
+    (run_dir / "search" / "search.json").unlink(missing_ok=True)
+    (run_dir / "signoff.json").unlink(missing_ok=True)

@@ -60,9 +60,8 @@ def test_a_folder_that_cannot_be_published_is_an_error_not_silence(tmp_path, mon
     assert not list(tmp_path.iterdir())  # and nothing half-made is left
 
 
-def test_a_rerun_that_dies_leaves_no_earlier_verdict_behind(tmp_path, monkeypatch):
-    """The moment a rerun starts, the folder's page, JSON and CSV say INCOMPLETE: a rerun killed
-    after that point (here: it never gets further) cannot leave the previous verdict on show."""
+def _finished_run(tmp_path):
+    """A finished run (verdict WARN, a search answer beside it) and the recipe that resumes it."""
     import json
 
     import yaml
@@ -83,17 +82,72 @@ def test_a_rerun_that_dies_leaves_no_earlier_verdict_behind(tmp_path, monkeypatc
     m = json.loads((old / "manifest.json").read_text())
     write_json(old / "manifest.json", {**m, "identity": runner.identity_of(r, tmp_path / "r.yaml")})  # its own run
     write_json(old / "signoff.json", signoff(r, "h", old, minirun.load_results(old)))
+    write_json(old / "search" / "search.json", {"error": "the last run's search banner", "answer": None})
     render_run(old)
     assert json.loads((old / "results.json").read_text())["signoff"]["verdict"] == "WARN"
+    assert "the last run&#x27;s search banner" in (old / "report.html").read_text()
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(d))
+    return r, path, old
+
+
+def _shows_no_verdict(old) -> None:
+    import json
+
+    assert not (old / "signoff.json").exists() and not (old / "search" / "search.json").exists()
+    res = json.loads((old / "results.json").read_text())
+    assert res["signoff"] is None and "search" not in res
+    html = (old / "report.html").read_text()
+    assert "INCOMPLETE" in html and "VERDICT: WARN" not in html and "search banner" not in html
+    assert (old / "results.csv").read_text().count("\n") == 1  # the header alone: no earlier rows
+
+
+def test_a_rerun_that_dies_leaves_no_earlier_verdict_behind(tmp_path, monkeypatch):
+    """The moment a rerun starts, the folder's page, JSON and CSV say INCOMPLETE and the search's answer is
+    gone: a rerun killed after that point (here: it never gets further) cannot leave the previous verdict
+    on show."""
+    from pipeline.run import runner
+
+    r, path, old = _finished_run(tmp_path)
     monkeypatch.setattr(runner, "preflight", lambda *a: None)  # no data is needed to start
     ctx, _ = runner.start(r, path, fresh=False)
     assert ctx.run_dir.root == old  # resumed
-    assert not (old / "signoff.json").exists()
-    assert json.loads((old / "results.json").read_text())["signoff"] is None
-    assert "INCOMPLETE" in (old / "report.html").read_text()
-    assert (old / "results.csv").read_text().count("\n") == 1  # the header alone: no earlier rows
+    _shows_no_verdict(old)
+
+
+def test_a_rerun_killed_while_it_hashes_the_weights_shows_no_verdict(tmp_path, monkeypatch):
+    """Killed in the gap between opening the folder and drawing its page (the weights are hashed there:
+    seconds on a real model), the old page and JSON showed the last verdict, reproduced through the CLI."""
+    from pipeline.run import runner
+
+    r, path, old = _finished_run(tmp_path)
+    monkeypatch.setattr(runner, "preflight", lambda *a: None)
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner.provenance, "model_hashes", killed)
+    with pytest.raises(KeyboardInterrupt):
+        runner.start(r, path, fresh=False)
+    _shows_no_verdict(old)
+
+
+def test_a_page_that_cannot_be_drawn_at_the_start_stops_the_run(tmp_path, monkeypatch):
+    """A render failure at the start was swallowed, and the run went on to an end it could not draw."""
+    import reports.render
+    from pipeline.run import runner
+    from pipeline.run.preflight import PreflightError
+
+    r, path, old = _finished_run(tmp_path)
+    monkeypatch.setattr(runner, "preflight", lambda *a: None)
+
+    def broken(*a, **k):
+        raise ValueError("a bad systems.json")
+
+    monkeypatch.setattr(reports.render, "render_html", broken)
+    with pytest.raises(PreflightError, match="the report cannot be rendered .*a bad systems.json"):
+        runner.start(r, path, fresh=False)
+    _shows_no_verdict(old)
 
 
 def test_a_second_run_of_a_recipe_exits_2_naming_the_first(tmp_path):

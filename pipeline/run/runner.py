@@ -287,7 +287,9 @@ def start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, d
     identity = identity_of(recipe, recipe_path)
     run_dir, resumed = open_run(Path(recipe.runs_dir), recipe.name, identity, fresh)
     say("run", f"{'resuming' if resumed else 'new run'}: {run_dir.root}")
-    (run_dir.root / "signoff.json").unlink(missing_ok=True)  # never show a stale verdict
+    from reports.render import mark_incomplete
+
+    mark_incomplete(run_dir.root, f"a run started at {time.strftime('%Y-%m-%d %H:%M:%S')} has not finished")
     hashes = provenance.model_hashes(model_dir)
     dtype = host.resolve_dtype(recipe.engine.dtype)
     manifest = {
@@ -303,7 +305,13 @@ def start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, d
     }
     write_json(run_dir.manifest, manifest)
     shutil.copyfile(recipe_path, run_dir.root / "recipe.yaml")
-    _render(run_dir)  # the folder's page, JSON and CSV say INCOMPLETE until this run signs off
+    try:  # the folder's page, JSON and CSV say INCOMPLETE until this run signs off, with what it holds so far
+        from reports.render import render_run
+
+        render_run(run_dir.root)
+    except Exception as exc:  # noqa: BLE001 - a page that cannot be drawn now will not be drawn at the end
+        raise PreflightError(f"{run_dir.root}: the report cannot be rendered ({type(exc).__name__}: {exc}); "
+                             f"fix the file it names or rerun with --fresh") from None
     # weights, tokenizer and config: any change invalidates results
     return RunContext(recipe, model_dir, hash_obj(hashes), dtype, run_dir), manifest
 
