@@ -285,3 +285,17 @@ def test_a_ratio_between_two_hosts_says_it_is_not_like_for_like(tmp_path):
     assert "not like for like: variant measured on node-b, baseline on node-a" in g.note
     results["v4"]["systems"].host = "node-a"
     assert "not like for like" not in signoff(r, "h", root, results).variants[0].gates[0].note
+
+
+def test_a_variant_missing_a_whole_suite_is_never_pass(tmp_path):
+    """The baseline scored piqa and siqa, the variant piqa only: pairing skipped siqa and each_suite
+    expanded over the variant's suites, so this read PASS. Now it is an ERROR naming siqa (verdict FAIL)."""
+    so = run_signoff(tmp_path, {"piqa": BASE["piqa"]}, [{"metric": "accuracy_delta", "scope": "each_suite",
+                                                         "op": ">=", "threshold": -0.05}])
+    v = so.variants[0]
+    gap = next(g for g in v.gates if g.metric == "suite_coverage")
+    assert gap.scope == "siqa" and gap.outcome == "ERROR" and "the baseline scored it" in gap.note
+    assert v.verdict == "FAIL" and so.exit_code == 1 and "suite_coverage[siqa] ERROR" in v.reason
+    full = run_signoff(tmp_path / "full", BASE, [{"metric": "accuracy_delta", "scope": "each_suite", "op": ">=",
+                                                  "threshold": -0.05}])
+    assert not any(g.metric == "suite_coverage" for g in full.variants[0].gates)

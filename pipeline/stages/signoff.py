@@ -156,6 +156,21 @@ def _judged(gate, measured: Measured, inp: metrics.Inputs) -> GateOutcome:
     return out
 
 
+def coverage_gaps(base_q: QualityResult, var_q: QualityResult) -> list[GateOutcome]:
+    """A suite one side scored and the other did not: nothing about it can pass, so it is an ERROR that
+    names it (pairing skipped it, and a per-suite gate expanded over the variant's own suites only, so a
+    variant missing a whole suite read PASS)."""
+    out = []
+    for suite, where in [(x, "the baseline scored it; this variant has no result for it") for x in base_q.suites
+                         if x not in var_q.suites] + \
+                        [(x, "this variant scored it; the baseline has no result to pair it with") for x in var_q.suites
+                         if x not in base_q.suites]:
+        out.append(GateOutcome(metric="suite_coverage", scope=suite, op=">=", threshold=1.0, severity="fail",
+                               judged_on="-", measured=Measured(value=None), outcome="ERROR",
+                               note=f"missing data: {where}"))
+    return out
+
+
 def judge_gates(recipe, inp: metrics.Inputs) -> list[GateOutcome]:
     """Every gate of the recipe on one variant (each_suite expands to one gate per suite). A fail
     gate that could not be measured fails, unless this hardware cannot measure it (UNVERIFIED)."""
@@ -189,8 +204,8 @@ def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: 
                           recipe.quality.bootstrap_samples, recipe.quality.seed)
     except (OSError, ValueError, KeyError) as exc:
         return VariantSignoff(variant=name, verdict="FAILED-TO-RUN", reason=f"sign-off: {type(exc).__name__}: {exc}")
-    gates = judge_gates(recipe, metrics.Inputs(quality=q, systems=s, base_systems=base.systems, paired=paired,
-                                               drift=pd))
+    gates = coverage_gaps(base.quality, q) + judge_gates(
+        recipe, metrics.Inputs(quality=q, systems=s, base_systems=base.systems, paired=paired, drift=pd))
     verdict = verdict_of(gates)
     unmeasurable = any(x.outcome == "N/A" and x.severity == "fail" for x in gates)
     where = (r.support or {}).get("native_on") or "hardware where this engine runs the scheme natively"
