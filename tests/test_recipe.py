@@ -333,6 +333,11 @@ def test_matrix_cells_are_checked_against_max_model_len(tmp_path):
     ("accuracy_delta", "bigbench/category=navigate", None),
     ("accuracy_delta", "needle/depth=100%", None),
     ("accuracy", "piqa/prompt_len=64-127 tok", None),
+    # a bucket no prompt can reach under max_model_len: it was accepted, and read N/A -> FAIL after the run
+    ("accuracy_delta", "piqa/prompt_len=>=4096 tok",
+     "can never hold an item: its prompts are >=4096 tokens long, and engine.max_model_len is 2048"),
+    ("accuracy_delta", "piqa/prompt_len=2048-4095 tok", "can never hold an item"),
+    ("accuracy_delta", "piqa/prompt_len=1024-2047 tok", None),
 ])
 def test_every_gate_scope_is_one_sign_off_can_judge(tmp_path, metric, scope, expect):
     """A scope validate accepts must be one the results will have: else N/A -> FAIL after the run."""
@@ -340,6 +345,7 @@ def test_every_gate_scope_is_one_sign_off_can_judge(tmp_path, metric, scope, exp
     d["quality"] = {"suites": ["piqa", "bigbench", "needle", "drift"], "limit": 10,
                     "needle": {"context_tokens": [128, 256], "depths": [0.0, 1.0], "per_cell": 1}}
     d["gates"] = [{"metric": metric, "scope": scope, "op": ">=", "threshold": -0.1}]
+    d["engine"]["max_model_len"] = 2048
     if expect is None:
         assert load(write(tmp_path, d)).gates[0].scope == scope
     else:

@@ -49,6 +49,14 @@ def scope_problem(recipe, metric: str, scope: str, task_names: list[str]) -> str
     if not eq or dim not in dims:
         return f"{scope!r}: {suite} is sliced by {', '.join(dims) or 'nothing'} (scope suite/dimension=value)"
     values = slice_values(recipe, suite, dim)
+    if dim == "prompt_len" and value in values and _bucket_floor(value) >= recipe.engine.max_model_len:
+        return (f"{scope!r} can never hold an item: its prompts are {value.replace(' tok', '')} tokens long, and "
+                f"engine.max_model_len is {recipe.engine.max_model_len}")
     if values is not None and value not in values:
         return f"{scope!r}: {suite}/{dim} takes the values {', '.join(sorted(values))}"
     return None
+
+
+def _bucket_floor(value: str) -> int:
+    """The fewest prompt tokens of a prompt_len bucket ('128-255 tok' -> 128, '>=4096 tok' -> 4096)."""
+    return int(value.removeprefix(">=").split("-")[0].split()[0])
