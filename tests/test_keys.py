@@ -43,6 +43,32 @@ def test_the_fingerprints_name_the_files_that_measure():
                                     keys.DEQUANTIZE_WORKER, keys.SCHEMES))  # a moved file would drop out unseen
 
 
+def test_the_fingerprints_follow_every_import_of_the_measuring_code():
+    """The modules a review found outside the hand-kept lists (edited, no key moved) are in both now."""
+    for code in (keys.QUALITY_CODE, keys.SYSTEMS_CODE):
+        rel = {str(p.relative_to(keys.ROOT)) for p in code}
+        assert {"pipeline/measure/stats.py", "pipeline/stages/evaluate.py", "pipeline/setup/modelcfg.py"} <= rel
+    assert "pipeline/measure/membudget.py" in {str(p.relative_to(keys.ROOT)) for p in keys.SYSTEMS_CODE}
+
+
+def test_an_import_planted_anywhere_in_the_closure_moves_the_key(tmp_path):
+    """A module imported (at any depth, even inside a function) by a stage's code is part of its key."""
+    pkg = tmp_path / "pipeline"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "stage.py").write_text("from pipeline import helper\n")
+    (pkg / "helper.py").write_text("import json\n\ndef f():\n    return 1\n")
+    (pkg / "deep.py").write_text("X = 1\n")
+    closure = lambda: keys.import_closure(pkg / "stage.py", root=tmp_path)  # noqa: E731
+    assert [p.name for p in closure()] == ["__init__.py", "helper.py", "stage.py"]
+    before = keys.source_hash(*closure())
+    (pkg / "helper.py").write_text("import json\n\ndef f():\n    from pipeline.deep import X\n    return X\n")
+    assert [p.name for p in closure()] == ["__init__.py", "deep.py", "helper.py", "stage.py"]
+    planted = keys.source_hash(*closure())
+    (pkg / "deep.py").write_text("X = 2\n")  # a fix deep in the closure
+    assert len({before, planted, keys.source_hash(*closure())}) == 3
+
+
 def test_every_source_file_a_module_names_exists():
     """A module that names a file by path (a worker it launches, code that keys a result) must name one
     that exists: a file moved without its path updated fails a run only after its earlier stages spent

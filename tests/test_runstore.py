@@ -150,6 +150,28 @@ def test_a_page_that_cannot_be_drawn_at_the_start_stops_the_run(tmp_path, monkey
     _shows_no_verdict(old)
 
 
+def test_a_stage_measured_again_keeps_no_earlier_origin(tmp_path, monkeypatch):
+    """A result fetched from the cache leaves <stage>.origin.json beside it; measured again later (its
+    key changed), that file stayed, and the report said 'reused from the result cache' of a fresh result."""
+    import pipeline.stages.evaluate as evaluate_stage
+    from pipeline.run import runner
+    from pipeline.runstore import write_json
+    from pipeline.stages.evaluate import ServeJob
+    from pipeline.store.outcome import Spent
+
+    r, path, old = _finished_run(tmp_path)
+    monkeypatch.setattr(runner, "preflight", lambda *a: None)
+    ctx, _ = runner.start(r, path, fresh=False)
+    for stage in ("quality", "systems"):
+        write_json(old / "baseline" / f"{stage}.origin.json", {"run": "an earlier run", "variant": "baseline"})
+    measured = []
+    monkeypatch.setattr(evaluate_stage, "evaluate", lambda job, *a, **k: measured.append(job.name) or (None, None))
+    runner.evaluate_variant(ctx, ServeJob("baseline", ctx.model_dir, "weights-of-another-key"), Spent())
+    assert measured == ["baseline"]  # its keys changed: both stages measured again
+    assert not (old / "baseline" / "quality.origin.json").exists()
+    assert not (old / "baseline" / "systems.origin.json").exists()
+
+
 def test_a_second_run_of_a_recipe_exits_2_naming_the_first(tmp_path):
     import subprocess
     import sys

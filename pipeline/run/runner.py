@@ -106,12 +106,16 @@ def evaluate_variant(ctx: RunContext, job: ServeJob, spent: Spent) -> None:
                           error=job.systems_skip, checkpoint_bytes=job.checkpoint_bytes,
                           kv=membudget.projected_capacity(job.projected) if job.projected else None)
         write_json(vdir / "systems.json", s)
+        (vdir / "systems.origin.json").unlink(missing_ok=True)
         say(name, f"systems: not measured ({job.systems_skip})")
     if q and s:
         say(name, "evaluate: done earlier")
         return
     say(name, "evaluate: starting engine (" + ", ".join(
         x for x, need in (("quality", q is None), ("systems", s is None)) if need) + ")")
+    for stage, r in (("quality", q), ("systems", s)):  # measured now: no earlier result's origin may name it
+        if r is None:
+            (vdir / f"{stage}.origin.json").unlink(missing_ok=True)
     needs = Needs(None if q else qh, None if s else sh, vdir, run.root / "tasks")
     q2, s2 = evaluate(job, recipe, dtype, needs, log=lambda m: say(name, m), spent=spent)
     for stage, r in (("quality", q2), ("systems", s2)):

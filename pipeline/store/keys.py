@@ -9,6 +9,7 @@ earlier keys alive.
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 from pipeline import suites
@@ -32,16 +33,46 @@ QUALITY_KEY_VERSION = 2
 SYSTEMS_KEY_VERSION = 3
 
 # the code that measures, fingerprinted into each key: a fix to a measurement recomputes exactly the
-# results it measured (the engine-side hook and the server wrapper serve both stages)
+# results it measured. Each stage's entry modules, and every project module they import, found by reading
+# their imports (a hand-kept list missed measure/stats.py, stages/evaluate.py and setup/modelcfg.py)
 PIPELINE = ROOT / "pipeline"
+PROJECT_PACKAGES = ("pipeline", "evalsuites")
+
+
+def import_closure(*entries: Path, root: Path = ROOT, packages: tuple[str, ...] = PROJECT_PACKAGES) -> tuple[Path, ...]:
+    """These files and every module of the project's packages they import, at any depth and wherever the
+    import stands (a function's lazy import counts), sorted; read from the source, nothing is imported."""
+    seen: set[Path] = set()
+    todo = [p.resolve() for p in entries]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            for name in names:
+                if name.split(".")[0] not in packages:
+                    continue
+                base = root.joinpath(*name.split("."))
+                for f in (base.with_suffix(".py"), base / "__init__.py"):
+                    if f.is_file():
+                        todo.append(f.resolve())
+    return tuple(sorted(seen))
+
+
 # the serving engines' code: the interface and every engine kind's folder (not the quantize workers,
-# which key checkpoints instead)
+# which key checkpoints instead); the engine-side hook runs inside vLLM, imported by no module here
 ENGINE_SIDE = tuple(sorted(p for p in (PIPELINE / "engines").rglob("*.py") if "workers" not in p.parts))
-QUALITY_CODE = (PIPELINE / "stages" / "quality.py", PIPELINE / "suites.py", PIPELINE / "measure" / "drift.py",
-                ROOT / "evalsuites" / "qe_utils.py", *ENGINE_SIDE)
-SYSTEMS_CODE = (PIPELINE / "stages" / "systems.py", PIPELINE / "stages" / "admission.py", PIPELINE / "measure" / "prompts.py",
-                PIPELINE / "measure" / "capacity.py", PIPELINE / "measure" / "membudget.py", PIPELINE / "measure" / "overhead.py",
-                PIPELINE / "measure" / "loadgen.py", PIPELINE / "engines" / "memory.py", *ENGINE_SIDE)
+QUALITY_CODE = import_closure(PIPELINE / "stages" / "evaluate.py", PIPELINE / "stages" / "quality.py",
+                              PIPELINE / "suites.py", PIPELINE / "measure" / "drift.py",
+                              ROOT / "evalsuites" / "qe_utils.py", *ENGINE_SIDE)
+SYSTEMS_CODE = import_closure(PIPELINE / "stages" / "evaluate.py", PIPELINE / "stages" / "systems.py",
+                              PIPELINE / "stages" / "admission.py", *ENGINE_SIDE)
 
 
 POOL_FIELDS = ("memory_budget_gib", "kv_cache_gib", "gpu_memory_utilization")
