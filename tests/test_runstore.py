@@ -227,6 +227,56 @@ def test_an_unreachable_ray_cluster_fails_at_once_in_one_line(tmp_path):
     assert time.time() - t0 < 60 and not list((tmp_path / "runs").glob("*-*"))  # no run folder
 
 
+def test_a_port_that_is_not_ray_fails_at_once_in_one_line(tmp_path):
+    """A port that accepts TCP but is not Ray (here an HTTP server) passed the check and ended, after the
+    run folder was reset, in Ray's traceback."""
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    import yaml
+
+    from tests import minirun
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    d = minirun.recipe([]).model_dump(mode="json")
+    d["runs_dir"] = str(tmp_path / "runs")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(d))
+    root = Path(__file__).resolve().parent.parent
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pipeline.cli", str(tmp_path / "r.yaml"), "--ray",
+                               f"127.0.0.1:{srv.server_port}"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    finally:
+        srv.shutdown()
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"127.0.0.1:{srv.server_port} answers, but not as a Ray cluster does" in proc.stderr
+    assert not list((tmp_path / "runs").glob("*-*"))
+
+
+def test_ray_auto_without_a_cluster_fails_in_one_line(tmp_path, monkeypatch):
+    import psutil
+
+    from pipeline.recipe.schema import Recipe
+    from pipeline.run import preflight
+    from tests import minirun
+
+    d = minirun.recipe([]).model_dump(mode="json")
+    d["executor"] = {"kind": "ray", "address": "auto"}
+    r = Recipe.model_validate(d)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no cluster recorded by `ray start`
+    monkeypatch.setattr(psutil, "process_iter", lambda *a, **k: iter(()))  # and no GCS server running
+    with pytest.raises(preflight.PreflightError, match="executor.address: auto found no Ray cluster"):
+        preflight.check_ray_address(r)
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:9\n")  # recorded, but gone
+    with pytest.raises(preflight.PreflightError, match="the Ray cluster at 127.0.0.1:9 does not answer"):
+        preflight.check_ray_address(r)
+
+
 def test_a_recipe_resumes_only_its_own_folder(tmp_path):
     """Same name, another recipe file: never resumes into the folder; the same file edited (a variant
     added) does."""

@@ -7,8 +7,10 @@ naming the field or file (exit 2), raised before an engine or a quantizer starts
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 from pathlib import Path
 
 from pipeline.engines import interface
@@ -153,22 +155,67 @@ def check_runs_dir(recipe: Recipe, recipe_path: Path) -> None:
         raise PreflightError(f"{recipe_path}: runs_dir {runs} is not writable")
 
 
-def check_ray_address(recipe: Recipe) -> None:
-    """A cluster address that does not answer fails now, in one line: Ray itself retries for minutes."""
-    import socket
+def _ray_auto_address() -> str | None:
+    """Where `ray.init(address="auto")` would connect, found as Ray finds it but without importing Ray:
+    RAY_ADDRESS, else the cluster `ray start` recorded in its temp folder, else a running GCS server."""
+    if os.environ.get("RAY_ADDRESS") not in (None, "", "auto"):
+        return os.environ["RAY_ADDRESS"]
+    current = Path(os.environ.get("RAY_TMPDIR") or "/tmp") / "ray" / "ray_current_cluster"
+    with contextlib.suppress(OSError):
+        if addr := current.read_text().strip():
+            return addr
+    import psutil
 
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        if proc.info["name"] == "gcs_server":
+            args = dict(a.lstrip("-").split("=", 1) for a in proc.info["cmdline"] or [] if "=" in a)
+            if "gcs_server_port" in args:
+                return f"{args.get('node-ip-address') or args.get('node_ip_address') or '127.0.0.1'}:{args['gcs_server_port']}"
+    return None
+
+
+# the HTTP/2 client preface and an empty SETTINGS frame: a gRPC server (Ray's GCS and client server) answers
+# with its own SETTINGS frame (length 3 bytes, type 0x4)
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def _speaks_grpc(host: str, port: int, timeout: float = 10.0) -> bool:
+    with socket.create_connection((host, port), timeout=timeout) as conn:
+        conn.sendall(_H2_PREFACE)
+        head = b""
+        while len(head) < 9:
+            chunk = conn.recv(9 - len(head))
+            if not chunk:
+                return False
+            head += chunk
+    return head[3] == 0x04
+
+
+def check_ray_address(recipe: Recipe) -> None:
+    """A cluster address that does not answer, or answers but is not Ray, fails now in one line, before the
+    run folder is touched: Ray itself retries for minutes, then raises a traceback."""
     ex = recipe.executor
-    if ex.kind != "ray" or ex.address in (None, "auto"):
+    if ex.kind != "ray" or ex.address is None:
         return
-    hostport = ex.address.removeprefix("ray://").rsplit("/", 1)[0]
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
+    address = ex.address
+    if address == "auto":
+        address = _ray_auto_address()
+        if address is None:
+            raise PreflightError("executor.address: auto found no Ray cluster on this machine (no RAY_ADDRESS, no "
+                                 "cluster recorded by `ray start`, no GCS server running); start one with "
+                                 "`ray start --head`, or run with --ray local")
+    hostport = address.removeprefix("ray://").rsplit("/", 1)[0]
+    where, _, port = hostport.rpartition(":")
+    if not where or not port.isdigit():
         raise PreflightError(f"executor.address: {ex.address!r} is not host:port (or ray://host:port, auto)")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+        grpc = _speaks_grpc(where.strip("[]"), int(port))
     except OSError as exc:
-        raise PreflightError(f"executor.address: the Ray cluster at {ex.address} does not answer "
+        raise PreflightError(f"executor.address: the Ray cluster at {address} does not answer "
                              f"({exc.strerror or exc}); is `ray start --head` running there?") from None
+    if not grpc:
+        raise PreflightError(f"executor.address: {address} answers, but not as a Ray cluster does (no gRPC); "
+                             "is it the port `ray start --head` printed?")
 
 
 def items_in_scope(recipe: Recipe, scope: str) -> int | None:
