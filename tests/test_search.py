@@ -408,3 +408,31 @@ def test_inside_the_bracket_the_curve_picks_where_the_boundary_is():
             "curve": [{"k": 40, "top1_agreement": 0.836}, {"k": 60, "top1_agreement": 0.866}]}
     rows = ladder(SearchSpec(max_builds=6), ranked(90), 0.85, build, sens=sens)
     assert choose(rows, "memory")["name"] == "k55" and len(calls) <= 5, calls  # not 0, g, g/2, 3g/4, ...
+
+
+def test_a_summary_that_fails_leaves_the_answer_banner_saying_so(tmp_path, monkeypatch):
+    """Every candidate was measured, then the summary failed: search.json said nothing (and the rerun's
+    start had removed the last one), so the page had no search banner at all."""
+    import json
+    from types import SimpleNamespace
+
+    from pipeline.run import runner
+    from pipeline.runstore import RunDir
+    from pipeline.search import ladder as lad
+
+    r = minirun.recipe()
+    root = minirun.make_run(tmp_path / "run", r, {"piqa": [1, 0] * 50}, {"piqa": [1, 0] * 50})
+    ctx = SimpleNamespace(run_dir=RunDir(root), recipe=r)
+    monkeypatch.setattr(runner, "prepare_environment", lambda: None)
+    monkeypatch.setattr(runner, "start", lambda *a: (ctx, {}))
+    monkeypatch.setattr(runner, "plan", lambda *a: None)
+    monkeypatch.setattr(runner, "run_local", lambda c: {})
+    monkeypatch.setattr(runner, "conclude", lambda *a, **kw: None)
+    monkeypatch.setattr(lad, "_measure_and_climb", lambda *a: ({}, [], []))
+
+    def broken(*a):
+        raise KeyError("native_weight_bytes")
+    monkeypatch.setattr(lad, "choose", broken)
+    assert lad._search(r, tmp_path / "x.yaml", False) == 1
+    assert json.loads((root / "search" / "search.json").read_text())["error"].startswith("KeyError")
+    assert "SEARCH: NO ANSWER — the search failed: KeyError" in render_run(root).read_text()

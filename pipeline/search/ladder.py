@@ -331,6 +331,7 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
                     if answer else f"SEARCH: NONE PASSED in {len(rows)} candidate(s)")
     except Exception as exc:  # noqa: BLE001 - every candidate is measured and stored: still sign them off
         answer, summary = None, {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        write_json(ctx.run_dir.root / "search" / "search.json", {**summary, "answer": None})  # the page's banner
         headline = f"SEARCH: NO ANSWER (the summary failed: {summary['error']}); each candidate's verdict follows"
     runner.conclude(ctx, manifest, timings, t_run, t_epoch, extra={"search": summary}, headline=headline)
     return 0 if answer else 1
