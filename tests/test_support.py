@@ -265,7 +265,7 @@ def test_a_kernel_wrong_in_every_dtype_never_points_at_another_dtype():
 
 
 @pytest.mark.parametrize("kind, scheme", [("cpu-avx512", "w8a8_int8"), ("cpu-avx512-amx", "none"),
-                                          ("cpu-avx2-recorded", "gptq_w4a16")])
+                                          ("cpu-avx2-recorded", "rtn_w4a16")])
 def test_the_ray_tests_variant_runs_on_each_kind(monkeypatch, tmp_path, kind, scheme):
     """The Ray tests' quantized variant is one the kind's engine serves (natively, or emulated where nothing
     quantized is native): the recipe that failed CI on the AVX2 kind named W8A8-INT8, refused there."""
