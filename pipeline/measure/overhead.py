@@ -109,8 +109,8 @@ def record(dtype: str, figures: dict | None, tolerance_bytes: int, model: str) -
         return
     path = _host_file(dtype)
     old = _read(path, host_key(dtype))
-    prior = "the prior, which no engine on this host has exceeded"
-    base = old or {**PRIOR, "outside_source": prior, "runtime_source": prior}
+    base = old or {**PRIOR, "outside_source": "the prior, which no engine on this host has exceeded",
+                   "runtime_source": "the prior, within the tolerance of what this host's engines held"}
     when = f"measured on this host by an engine of {model} ({time.strftime('%Y-%m-%d %H:%M')})"
     new = dict(base)
     if figures["outside_bytes"] > base["outside_bytes"] + tolerance_bytes:
