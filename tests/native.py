@@ -18,7 +18,8 @@ def eight_bit_variant(model: Path, name: str, dtype: str = "float32") -> dict:
     calibrated scales (AMX in float32); else, where nothing quantized is native (AVX2), a W4A16 checkpoint
     the run serves emulated (quality measured on its dequantized weights, systems not), rounded to nearest
     in groups of 128: the Ray test quantizes it once per run under another seed, and a calibrated 4-bit
-    scheme (GPTQ) then moved a PIQA log-likelihood by 0.12 nats between the two, rounding moves nothing."""
+    scheme (GPTQ) then gives two checkpoints whose log-likelihoods differ beyond the test's tolerance;
+    rounding gives the same one."""
     from pipeline.engines import formats
     from pipeline.engines.vllm import support
 
