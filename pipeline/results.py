@@ -312,8 +312,11 @@ class Measured(Model):
     ci_low: float | None = None
     ci_high: float | None = None
     interval: Literal["ci95", "repeats"] = Field(
-        "ci95", description="ci95: a 95% confidence interval, judged on its conservative end; repeats: the range "
-        "over the cell's repeats; inside it a threshold cannot be told from noise (INCONCLUSIVE).")
+        "ci95", description="ci95: a 95% confidence interval over items (or windows); repeats: a 95% t interval "
+        "over the cell's repeats, each side measured in one engine start (start-to-start spread is not in it). "
+        "Both are judged alike: PASS when the conservative end clears the threshold, FAIL when the point "
+        "estimate is beyond it, INCONCLUSIVE in between.")
+    n: int | None = Field(None, description="Paired items, windows or repeats the interval rests on.")
 
 
 class GateOutcome(Model):
@@ -363,8 +366,13 @@ class PairedSlice(Model):
 
 
 # UNVERIFIED: every gate that was measured passes, but a fail gate could not be measured on this
-# hardware (the engine here has no kernel for the variant's scheme): not signed, not failed
-Verdict = Literal["PASS", "WARN", "FAIL", "UNVERIFIED", "SKIPPED", "FAILED-TO-RUN"]
+# hardware (the engine here has no kernel for the variant's scheme): not signed, not failed.
+# INCONCLUSIVE: every gate was measured and none failed, but a fail gate's interval still straddles
+# its threshold (the point passes, the conservative end does not): more items or repeats would decide.
+Verdict = Literal["PASS", "WARN", "FAIL", "INCONCLUSIVE", "UNVERIFIED", "SKIPPED", "FAILED-TO-RUN"]
+# what a run verdict other than PASS means, in words (the report's banner and the console's last line)
+VERDICT_MEANING = {"FAIL": "a fail gate failed", "INCONCLUSIVE": "not enough data to decide a fail gate; nothing failed",
+                   "UNVERIFIED": "a fail gate cannot be measured on this hardware", "WARN": "a warn gate did not pass"}
 
 
 class VariantSignoff(Model):
@@ -380,7 +388,7 @@ class Signoff(Model):
     schema_version: Literal[1] = 1
     recipe: str
     recipe_hash: str
-    verdict: Literal["PASS", "WARN", "FAIL", "UNVERIFIED"]
+    verdict: Literal["PASS", "WARN", "FAIL", "INCONCLUSIVE", "UNVERIFIED"]
     exit_code: int
     variants: list[VariantSignoff]
     recommended: str | None = None

@@ -12,7 +12,7 @@ from reports.charts import _axes, _figure
 from reports.html import fmt, in_mib, mib, table, tag
 from reports.view import Run
 
-VERDICT_COLOUR = {"PASS": "#116329", "WARN": "#7d4e00", "FAIL": "#cf222e", "UNVERIFIED": "#0a3069"}
+VERDICT_COLOUR = {"PASS": "#116329", "WARN": "#7d4e00", "FAIL": "#cf222e", "UNVERIFIED": "#0a3069", "INCONCLUSIVE": "#0a3069"}
 
 
 def search_banner(run: Run) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from html import escape
 
+from pipeline.results import VERDICT_MEANING
 from reports.html import fmt, table, tag
 from reports.view import Run
 
@@ -35,8 +36,17 @@ def verdict_section(run: Run) -> str:
     head = ["variant", "computed as", "verdict", "why"]
     if run.search:  # the search's answer is the banner; this is every candidate's own sign-off
         return "<h2>Sign-off of every candidate and reference</h2>" + table(head, rows, left=4)
-    return (f'<div class="banner {escape(so.verdict)}">VERDICT: {escape(so.verdict)}{rec}</div>'
+    return (f'<div class="banner {escape(so.verdict)}">VERDICT: {escape(so.verdict)}{rec}{_why(so)}</div>'
             + table(head, rows, left=4))
+
+
+def _why(so) -> str:
+    """Why the run is not PASS, on the banner's line: the meaning, then each such variant's reason."""
+    if so.verdict not in VERDICT_MEANING:
+        return ""
+    reasons = "; ".join(f"{v.variant}: {v.reason}" for v in so.variants if v.verdict not in ("PASS",) and v.reason)
+    short = reasons if len(reasons) <= 400 else reasons[:399] + "…"
+    return f"<div class='small'>{escape(VERDICT_MEANING[so.verdict])}{' — ' + escape(short) if short else ''}</div>"
 
 
 def _computed(run: Run, name: str) -> str:
@@ -59,11 +69,11 @@ def gates_section(run: Run) -> str:
                          f"{fmt(m.value, 4)}{ci}", escape(g.judged_on), tag(g.outcome), escape(g.note)])
     if not rows:
         return "<h2>Gates</h2><p>No gates declared in the recipe.</p>"
-    return ("<h2>Gates</h2><p class='small muted'>Metrics with a confidence interval are judged on its "
-            "conservative end (lower bound for ≥, upper bound for ≤): non-inferiority, not a point ratio. "
-            "Latency gates carry the range over the cell's repeats instead (judged on: range over repeats): "
-            "PASS when all of it passes, FAIL when none of it does, INCONCLUSIVE when the threshold lies "
-            "inside it (run-to-run noise: neither a pass nor a regression). N/A: not measured (on a fail "
+    return ("<h2>Gates</h2><p class='small muted'>A metric with a 95% interval (over items, drift windows, "
+            "or a latency cell's repeats) has three outcomes: PASS when its conservative end clears the "
+            "threshold (lower bound for ≥, upper bound for ≤: non-inferiority, not a point ratio), FAIL when "
+            "the point estimate is beyond it, INCONCLUSIVE in between (neither a pass nor a regression: the "
+            "note says how many more items or repeats would decide it). N/A: not measured (on a fail "
             "gate: UNVERIFIED when this hardware cannot measure it); ERROR: could not be computed."
             "</p>" + table(["variant", "metric", "scope", "threshold", "severity", "measured [95% CI or range]",
                             "judged on", "outcome", "note"], rows, left=3, last_left=True))

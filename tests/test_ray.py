@@ -37,7 +37,7 @@ def recipe(tmp: Path, model: Path, name: str, seed: int) -> Path:
                       {"name": "rtn", "scheme": "rtn_w4a16", "group_size": 64}],
          "quality": {"suites": ["piqa"], "limit": 10, "bootstrap_samples": 200},
          "workload": {"prompt_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
-                      "warmup_requests": 1},
+                      "warmup_requests": 1, "repeats": 2},
          "gates": [{"metric": "accuracy_delta", "op": ">=", "threshold": -1.0}],
          "runs_dir": str(tmp / "runs")}
     path = tmp / f"{name}.yaml"

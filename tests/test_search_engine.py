@@ -124,7 +124,7 @@ def searched(tmp_path_factory):
         "quality": {"suites": ["drift", "asdiv"], "limit": 3, "bootstrap_samples": 200,
                     "drift": {"windows": 2, "window_tokens": 256}},
         "workload": {"prompt_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
-                     "warmup_requests": 1},
+                     "warmup_requests": 1, "repeats": 2},
         "search": {"base_scheme": "rtn_w4a16", "group_size": 64, "fallbacks": ["w8a16"], "max_builds": 2,
                    "sensitivity": {"windows": 2, "window_tokens": 256}},
         "gates": [{"metric": "top1_agreement", "op": ">=", "threshold": 0.9}],

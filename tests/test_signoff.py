@@ -30,9 +30,9 @@ def test_identical_variant_passes_noninferiority(tmp_path):
     assert so.recommended == "v4"  # smaller checkpoint among passing
 
 
-def test_point_delta_small_but_ci_too_wide_fails(tmp_path):
-    # 12 correct->wrong and 8 wrong->correct on piqa: delta -2 points, but the CI lower bound
-    # reaches below -5 points, so a 5-point non-inferiority gate must fail.
+def test_point_delta_small_but_ci_too_wide_is_inconclusive_never_pass(tmp_path):
+    # 12 correct->wrong and 8 wrong->correct on piqa: delta -4 points, but the CI lower bound
+    # reaches below -5 points: not certified (never PASS), nor shown worse (not FAIL).
     piqa = [0] * 12 + [1] * 48 + [1] * 8 + [0] * 32
     so = run_signoff(tmp_path, {"piqa": piqa, "siqa": BASE["siqa"]},
                      [{"metric": "accuracy_delta", "scope": "piqa", "op": ">=", "threshold": -0.05}])
@@ -41,9 +41,17 @@ def test_point_delta_small_but_ci_too_wide_fails(tmp_path):
     assert (p.flips_correct_to_wrong, p.flips_wrong_to_correct) == (12, 8)
     assert p.delta == pytest.approx(-0.04)
     g = v.gates[0]
-    assert g.judged_on == "CI lower bound" and g.measured.ci_low < -0.05
-    assert g.outcome == "FAIL" and so.exit_code == 1 and so.verdict == "FAIL"
-    assert so.recommended is None
+    assert g.judged_on == "95% CI lower bound and point" and g.measured.ci_low < -0.05
+    assert g.outcome == "INCONCLUSIVE" and so.exit_code == 5 and so.verdict == "INCONCLUSIVE"
+    assert "items in all (now 100) would certify it" in g.note and "observed flip rate 20.0% (20 of 100" in g.note
+    assert so.recommended is None and v.verdict == "INCONCLUSIVE" and "accuracy_delta[piqa] INCONCLUSIVE" in v.reason
+    # the point itself beyond the margin: FAIL
+    worse = [0] * 20 + [1] * 40 + [1] * 4 + [0] * 36
+    so = run_signoff(tmp_path / "w", {"piqa": worse, "siqa": BASE["siqa"]},
+                     [{"metric": "accuracy_delta", "scope": "piqa", "op": ">=", "threshold": -0.05}])
+    g = so.variants[0].gates[0]
+    assert g.measured.value == pytest.approx(-0.16) and g.outcome == "FAIL" and so.exit_code == 1
+    assert "certified beyond the threshold" in g.note
 
 
 def test_each_suite_expands_and_warn_does_not_fail(tmp_path):
@@ -84,9 +92,11 @@ def test_failed_variant_is_failed_to_run(tmp_path):
 
 
 @pytest.mark.parametrize("op,value,lo,hi,thr,expect", [
-    (">=", 0.0, -0.06, 0.05, -0.05, "FAIL"),   # judged on lower bound
-    (">=", 0.0, -0.04, 0.05, -0.05, "PASS"),
-    ("<=", 1.0, 0.9, 1.3, 1.2, "FAIL"),        # judged on upper bound
+    (">=", 0.0, -0.06, 0.05, -0.05, "INCONCLUSIVE"),  # lower bound below, point above: undecided
+    (">=", 0.0, -0.04, 0.05, -0.05, "PASS"),          # passes on the lower bound
+    (">=", -0.06, -0.09, -0.02, -0.05, "FAIL"),       # the point is beyond the margin
+    ("<=", 1.0, 0.9, 1.3, 1.2, "INCONCLUSIVE"),       # judged on the upper bound
+    ("<=", 1.25, 1.21, 1.3, 1.2, "FAIL"),
     ("<=", 1.1, None, None, 1.2, "PASS"),      # no CI: point value
 ])
 def test_judge_uses_conservative_bound(op, value, lo, hi, thr, expect):
@@ -257,11 +267,11 @@ def test_every_gate_validate_accepts_signs_off_without_error(tmp_path):
 
 
 @pytest.mark.parametrize("repeats_v,repeats_b,threshold,expect", [
-    ([44.0, 45.0, 46.0], [40.0, 41.0, 42.0], 1.2, "PASS"),          # 46/40 = 1.15 worst: passes whatever the noise
-    ([60.0, 61.0, 62.0], [40.0, 41.0, 42.0], 1.2, "FAIL"),          # 60/42 = 1.43 best: fails whatever the noise
-    ([47.0, 50.0, 53.0], [40.0, 42.0, 44.0], 1.2, "INCONCLUSIVE"),  # 1.07 .. 1.33 straddles 1.2: noise
+    ([44.0, 45.0, 46.0], [40.0, 41.0, 42.0], 1.2, "PASS"),          # 1.10, 95% t interval up to 1.16
+    ([60.0, 61.0, 62.0], [40.0, 41.0, 42.0], 1.2, "FAIL"),          # 1.49: the point (and all of it) is beyond
+    ([47.0, 50.0, 53.0], [40.0, 42.0, 44.0], 1.2, "INCONCLUSIVE"),  # 1.19, interval reaches 1.2: undecided
 ])
-def test_latency_gates_are_judged_against_the_repeat_spread(tmp_path, repeats_v, repeats_b, threshold, expect):
+def test_latency_gates_are_judged_on_an_interval_over_repeats(tmp_path, repeats_v, repeats_b, threshold, expect):
     r = recipe([{"metric": "tpot_p50_ratio", "op": "<=", "threshold": threshold, "severity": "fail"}])
     root = make_run(tmp_path / "run", r, BASE, BASE)
     results = load_results(root)
@@ -270,10 +280,11 @@ def test_latency_gates_are_judged_against_the_repeat_spread(tmp_path, repeats_v,
         lat.repeats = [{"ttft_p50": 100.0, "ttft_p99": 150.0, "tpot_p50": x, "tpot_p99": x * 1.5} for x in reps]
     so = signoff(r, "h", root, results)
     g = so.variants[0].gates[0]
-    assert g.outcome == expect and g.judged_on == "range over repeats" and g.measured.interval == "repeats"
-    assert so.variants[0].verdict == {"PASS": "PASS", "FAIL": "FAIL", "INCONCLUSIVE": "UNVERIFIED"}[expect]
+    assert g.outcome == expect and g.judged_on == "95% CI upper bound and point (over repeats)"
+    assert g.measured.interval == "repeats" and g.measured.n == 3 and "one engine start" in g.note
+    assert so.variants[0].verdict == expect
     if expect == "INCONCLUSIVE":  # noise is never called a regression, nor signed as a pass
-        assert so.exit_code == 4 and "more workload.repeats would decide it" in so.variants[0].reason
+        assert so.exit_code == 5 and "workload.repeats in all (now 3)" in so.variants[0].reason
 
 
 def test_a_ratio_between_two_hosts_says_it_is_not_like_for_like(tmp_path):

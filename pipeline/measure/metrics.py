@@ -1,9 +1,9 @@
 """The metrics a gate may name: what each means, and the one function that computes it.
 
 A metric is computed from one variant's results and the baseline's (`Inputs`); `Metric.read`
-returns its value and, where it has one, its 95% CI. Metrics with a confidence interval are
-gated on its conservative end (pipeline/stages/signoff.py), so a gate on a few hundred items
-cannot pass on luck.
+returns its value and, where it has one, its 95% CI and the count it rests on. A gate passes on
+the CI's conservative end, fails on the point (pipeline/stages/signoff.judge), so a gate on a
+few hundred items cannot pass on luck, nor fail on noise.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pipeline.measure import stats
+from pipeline.measure import power, stats
 from pipeline.results import Measured, PairedDrift, PairedSlice, QualityResult, SystemsResult
 
 NONE = Measured(value=None)
@@ -58,10 +58,10 @@ def accuracy(inp: Inputs, scope: str) -> Measured:
         st = q.suites[suite].slices.get(key) if suite in q.suites else None
         if st is None:
             return NONE
-        return Measured(value=st.accuracy, ci_low=st.ci_low, ci_high=st.ci_high)
+        return Measured(value=st.accuracy, ci_low=st.ci_low, ci_high=st.ci_high, n=st.n)
     k, n = q.overall() if scope == "overall" else (q.suites[scope].correct, q.suites[scope].n)
     lo, hi = stats.wilson(k, n)
-    return Measured(value=k / n if n else None, ci_low=lo, ci_high=hi)
+    return Measured(value=k / n if n else None, ci_low=lo, ci_high=hi, n=n)
 
 
 def accuracy_delta(inp: Inputs, scope: str) -> Measured:
@@ -74,7 +74,8 @@ def accuracy_delta(inp: Inputs, scope: str) -> Measured:
             ps = next((p for p in inp.paired if p.slice == suite), None)
     if ps is None:
         return NONE
-    return Measured(value=ps.delta, ci_low=ps.delta_ci_low, ci_high=ps.delta_ci_high)
+    return Measured(value=ps.delta, ci_low=ps.delta_ci_low, ci_high=ps.delta_ci_high, n=ps.n,
+                    caveat=power.observed(ps.n, ps.flips_correct_to_wrong + ps.flips_wrong_to_correct))
 
 
 def _drift(value: str, ci: str) -> Callable[[Inputs, str], Measured]:
@@ -82,7 +83,8 @@ def _drift(value: str, ci: str) -> Callable[[Inputs, str], Measured]:
         d = inp.drift
         if d is None:
             return NONE
-        return Measured(value=getattr(d, value), ci_low=getattr(d, f"{ci}_ci_low"), ci_high=getattr(d, f"{ci}_ci_high"))
+        return Measured(value=getattr(d, value), ci_low=getattr(d, f"{ci}_ci_low"), ci_high=getattr(d, f"{ci}_ci_high"),
+                        n=d.windows)
     return read
 
 
@@ -91,19 +93,24 @@ def _repeat_values(s: SystemsResult, kind: str, pct: str) -> list[float]:
 
 
 def _latency_ratio(kind: str, pct: str) -> Callable[[Inputs, str], Measured]:
-    """Variant / baseline on all requests; with repeats on both sides, also the range the ratio
-    takes across them (lowest variant over highest baseline to the reverse): the noise it sits in."""
+    """With repeats on both sides: the ratio of the repeats' geometric means and its 95% t interval
+    (stats.ratio_ci), which narrows as repeats grow; else variant / baseline over all requests."""
     def read(inp: Inputs, scope: str) -> Measured:
         both = _served(inp)
         if both is None:
             return NONE
         v, b = (getattr(getattr(x.latency, f"{kind}_ms"), pct) for x in both)
         rv, rb = (_repeat_values(x, kind, pct) for x in both)
-        if len(rv) > 1 and len(rb) > 1 and min(rb) > 0:
-            return Measured(value=_ratio(v, b), ci_low=min(rv) / max(rb), ci_high=max(rv) / min(rb),
-                            interval="repeats", caveat=_hosts(inp))
+        if len(rv) > 1 and len(rb) > 1 and min(rv + rb) > 0:
+            value, lo, hi = stats.ratio_ci(rv, rb)
+            return Measured(value=value, ci_low=lo, ci_high=hi, interval="repeats", n=min(len(rv), len(rb)),
+                            caveat="; ".join(x for x in (_hosts(inp), _ONE_START) if x))
         return Measured(value=_ratio(v, b), caveat=_hosts(inp))
     return read
+
+
+_ONE_START = ("ratio of the repeats' geometric means; each side's repeats ran in one engine start, so the "
+              "interval holds the repeat-to-repeat noise, not the start-to-start spread")
 
 
 def _latency_ms(kind: str, pct: str) -> Callable[[Inputs, str], Measured]:
@@ -113,8 +120,10 @@ def _latency_ms(kind: str, pct: str) -> Callable[[Inputs, str], Measured]:
             return NONE
         rv = _repeat_values(both[0], kind, pct)
         value = getattr(getattr(both[0].latency, f"{kind}_ms"), pct)
-        if len(rv) > 1:
-            return Measured(value=value, ci_low=min(rv), ci_high=max(rv), interval="repeats")
+        if len(rv) > 1 and min(rv) > 0:
+            gm, lo, hi = stats.mean_ci_log(rv)
+            return Measured(value=gm, ci_low=lo, ci_high=hi, interval="repeats", n=len(rv),
+                            caveat=_ONE_START.replace("ratio of the repeats'", "the repeats'"))
         return Measured(value=value)
     return read
 

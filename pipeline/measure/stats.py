@@ -83,6 +83,59 @@ def paired_delta_ci(base: Sequence[int], variant: Sequence[int], samples: int = 
     return (d, min(lo, lo2), max(hi, hi2))
 
 
+# two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (beyond: Cornish-Fisher)
+_T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788,
+         2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860, 2.0796, 2.0739, 2.0687, 2.0639,
+         2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
+
+
+def t975(df: int) -> float:
+    """The 97.5% quantile of Student's t with df degrees of freedom."""
+    if df < 1:
+        return math.inf
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = Z95
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def ratio_ci(variant: Sequence[float], base: Sequence[float]) -> tuple[float, float, float]:
+    """Ratio of geometric means (variant / base) of positive repeat measurements, with a 95% CI:
+    a pooled-variance t interval on the log scale. Its width falls as 1/sqrt(repeats), so more
+    repeats decide more (a min/max range over repeats only widens with them)."""
+    v = np.log(np.asarray(variant, dtype=np.float64))
+    b = np.log(np.asarray(base, dtype=np.float64))
+    if v.size < 2 or b.size < 2:
+        raise ValueError("a ratio CI needs at least two repeats on each side")
+    d = float(v.mean() - b.mean())
+    df = v.size + b.size - 2
+    pooled = ((v.size - 1) * v.var(ddof=1) + (b.size - 1) * b.var(ddof=1)) / df
+    half = t975(df) * math.sqrt(pooled * (1 / v.size + 1 / b.size))
+    return (math.exp(d), math.exp(d - half), math.exp(d + half))
+
+
+def mean_ci_log(values: Sequence[float]) -> tuple[float, float, float]:
+    """Geometric mean of positive repeat measurements with a 95% t interval on the log scale."""
+    x = np.log(np.asarray(values, dtype=np.float64))
+    if x.size < 2:
+        raise ValueError("a CI needs at least two repeats")
+    m = float(x.mean())
+    half = t975(x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
+    return (math.exp(m), math.exp(m - half), math.exp(m + half))
+
+
+def n_to_certify(n: int, value: float, bound: float, threshold: float, z_power: float = 0.841621) -> int | None:
+    """Items (or repeats) at which an interval of today's shape would clear `threshold` with 80%
+    chance, if the point estimate and the spread behind it hold: the half-width shrinks as
+    1/sqrt(n). None when the point itself sits on or beyond the threshold (no n certifies it)."""
+    half, room = abs(value - bound), abs(value - threshold)
+    if n <= 0 or not (value - threshold) * (value - bound) > 0 or room == 0:
+        return None
+    if abs(value - bound) <= room:
+        return n
+    return math.ceil(n * ((half / Z95) * (Z95 + z_power) / room) ** 2)
+
+
 def percentiles(values: Sequence[float], qs: Sequence[int] = (50, 95, 99)) -> dict[str, float | None]:
     """p50/p95/p99 (linear interpolation); None where there are no values."""
     arr = np.asarray([v for v in values if v is not None], dtype=np.float64)

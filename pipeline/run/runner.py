@@ -27,7 +27,7 @@ from pipeline.engines import formats, interface
 from pipeline.engines.formats import Decision, Format
 from pipeline.measure import membudget, overhead
 from pipeline.recipe.schema import Recipe
-from pipeline.results import BudgetPlan, QualityResult, SystemsResult
+from pipeline.results import VERDICT_MEANING, BudgetPlan, QualityResult, SystemsResult
 from pipeline.run.preflight import PreflightError, check_ray_address, preflight
 from pipeline.runstore import RunDir, RunLocked, hash_obj, open_run, read_result, run_lock, write_json
 from pipeline.setup import assets, envs, host, modelcfg
@@ -398,7 +398,9 @@ def _finish(run_dir: RunDir, so, spent: Spent, t_run: float, headline: str | Non
         print(f"\n{headline}")
         print(f"candidates' sign-off: {so.verdict} (a failing candidate is the search at work; the answer is above)")
     else:
-        print(f"\nVERDICT: {so.verdict}" + (f"  recommended: {so.recommended}" if so.recommended else ""))
+        meaning = VERDICT_MEANING.get(so.verdict)
+        print(f"\nVERDICT: {so.verdict}" + (f" ({meaning})" if meaning else "")
+              + (f"  recommended: {so.recommended}" if so.recommended else ""))
     print(f"report:  {report}")
     print(f"results: {run_dir.root / 'results.json'}")
     print(f"wall:    {time.perf_counter() - t_run:.0f} s, {spent.engine_starts} engine start(s); engines busy "

@@ -2,9 +2,9 @@
 
 Pure: reads result objects, writes nothing. Quality is paired item by item with the
 baseline (flips, exact McNemar with Holm correction across slices, paired-bootstrap CI
-of the delta). A gate on a metric with a CI is judged on the CI's conservative end:
-the lower bound for `>=`, the upper bound for `<=`. Exit code: 0 when no fail gate
-fails, 1 otherwise (a variant that failed to run also fails the run).
+of the delta). A gate on a metric with a CI has three outcomes (judge()). Exit code: 0 when
+every fail gate passes, 1 when one fails (a variant that failed to run also fails the run),
+4 when one could not be measured here, 5 when one is undecided at this sample size.
 """
 
 from __future__ import annotations
@@ -100,9 +100,11 @@ def _paired(name: str, b: list[int], v: list[int], samples: int, seed: int, near
 
 
 def judge(gate, measured: Measured, why_missing: str = "not measured") -> GateOutcome:
-    """A 95% CI is judged on its conservative end (lower bound for >=, upper for <=). A range over
-    repeats: PASS when all of it passes, FAIL when none of it does, INCONCLUSIVE in between (the
-    threshold lies inside the run-to-run noise); a point value as it is."""
+    """Three outcomes for a value with a 95% interval (over items, windows or repeats), named so nobody
+    misreads them: PASS when its conservative end clears the threshold (the lower bound for >=, the
+    upper for <=); FAIL when the point estimate itself is beyond the threshold (the data say worse);
+    INCONCLUSIVE in between (the point passes, the interval still reaches the threshold), with how many
+    more items or repeats would certify it at today's spread. A point value is judged as it is."""
     common = dict(metric=gate.metric, scope=gate.scope, op=gate.op, threshold=gate.threshold,
                   severity=gate.severity, measured=measured)
     if measured.value is None:
@@ -115,15 +117,23 @@ def judge(gate, measured: Measured, why_missing: str = "not measured") -> GateOu
     if measured.ci_low is None:
         return GateOutcome(**common, judged_on="point value", outcome="PASS" if passes(measured.value) else bad)
     worst, best = (measured.ci_low, measured.ci_high) if gate.op == ">=" else (measured.ci_high, measured.ci_low)
-    if measured.interval == "repeats":
-        outcome = "PASS" if passes(worst) else bad if not passes(best) else "INCONCLUSIVE"
-        note = "the threshold lies inside the spread of the repeats: more repeats would decide it" \
-            if outcome == "INCONCLUSIVE" else ""
-        return GateOutcome(**common, judged_on="range over repeats", outcome=outcome, note=note)
-    judged_on = "CI lower bound" if gate.op == ">=" else "CI upper bound"
-    ok = passes(worst)
-    note = f"certified at 95%: {'at least' if gate.op == '>=' else 'at most'} {worst:.4g}" if ok else ""
-    return GateOutcome(**common, judged_on=judged_on, outcome="PASS" if ok else bad, note=note)
+    over = "repeats" if measured.interval == "repeats" else "items"
+    judged_on = f"95% CI {'lower' if gate.op == '>=' else 'upper'} bound and point" + (
+        " (over repeats)" if over == "repeats" else "")
+    if passes(worst):
+        note = f"certified at 95%: {'at least' if gate.op == '>=' else 'at most'} {worst:.4g}"
+        return GateOutcome(**common, judged_on=judged_on, outcome="PASS", note=note)
+    if not passes(measured.value):
+        note = ("certified beyond the threshold at 95% (the whole interval)" if not passes(best)
+                else "the point estimate is beyond the threshold")
+        return GateOutcome(**common, judged_on=judged_on, outcome=bad, note=note)
+    need = stats.n_to_certify(measured.n or 0, measured.value, worst, gate.threshold)
+    what = ("workload.repeats" if over == "repeats" else
+            "windows" if gate.metric in metrics.METRICS and metrics.METRICS[gate.metric].needs == "drift" else "items")
+    note = (f"the point passes but the 95% interval reaches the threshold: about {need} {what} in all "
+            f"(now {measured.n}) would certify it with 80% chance if the estimate and its spread hold"
+            if need else f"the point passes but the 95% interval reaches the threshold: more {what} would decide it")
+    return GateOutcome(**common, judged_on=judged_on, outcome="INCONCLUSIVE", note=note)
 
 
 def _one_gate(g, scope: str, inp: metrics.Inputs) -> GateOutcome:
@@ -179,13 +189,16 @@ def judge_gates(recipe, inp: metrics.Inputs) -> list[GateOutcome]:
 
 
 def verdict_of(gates: list[GateOutcome]) -> str:
-    """FAIL on any failed or uncomputable gate; UNVERIFIED when a fail gate could not be measured here
-    or sits inside its noise (INCONCLUSIVE: it neither passes nor fails); else WARN or PASS."""
+    """FAIL on any failed or uncomputable gate; UNVERIFIED when a fail gate could not be measured here;
+    INCONCLUSIVE when a fail gate's interval straddles its threshold (neither passed nor failed); else
+    WARN or PASS."""
     outcomes = {x.outcome for x in gates}
     if outcomes & {"FAIL", "ERROR"}:
         return "FAIL"
-    if any(x.outcome in ("N/A", "INCONCLUSIVE") and x.severity == "fail" for x in gates):
+    if any(x.outcome == "N/A" and x.severity == "fail" for x in gates):
         return "UNVERIFIED"
+    if any(x.outcome == "INCONCLUSIVE" and x.severity == "fail" for x in gates):
+        return "INCONCLUSIVE"
     return "WARN" if outcomes & {"WARN", "N/A", "INCONCLUSIVE"} or not gates else "PASS"
 
 
@@ -207,14 +220,12 @@ def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: 
     gates = coverage_gaps(base.quality, q) + judge_gates(
         recipe, metrics.Inputs(quality=q, systems=s, base_systems=base.systems, paired=paired, drift=pd))
     verdict = verdict_of(gates)
-    unmeasurable = any(x.outcome == "N/A" and x.severity == "fail" for x in gates)
     where = (r.support or {}).get("native_on") or "hardware where this engine runs the scheme natively"
-    failing = [f"{x.metric}[{x.scope}] {x.outcome}" for x in gates if x.outcome != "PASS"]
+    failing = [f"{x.metric}[{x.scope}] {x.outcome}" + (f" ({x.note})" if x.outcome == "INCONCLUSIVE" else "")
+               for x in gates if x.outcome != "PASS"]
     reason = "; ".join(failing + (["no gates declared"] if not gates else [])
                        + ([f"systems not measured: {s.error}"] if s.status == "skipped" else [])
-                       + ([f"measurable on {where}"] if verdict == "UNVERIFIED" and unmeasurable else [])
-                       + (["inside the noise of the repeats: more workload.repeats would decide it"]
-                          if verdict == "UNVERIFIED" and not unmeasurable else []))
+                       + ([f"measurable on {where}"] if verdict == "UNVERIFIED" else []))
     return VariantSignoff(variant=name, verdict=verdict, reason=reason, gates=gates, paired=paired, drift=pd)
 
 
@@ -233,22 +244,24 @@ def signoff(recipe, recipe_hash: str, run_root: Path, results: dict) -> Signoff:
     passing = [x.variant for x in verdicts if x.verdict in ("PASS", "WARN")]
     # nothing evaluated (all skipped) is not a sign-off either
     bad = any(x.verdict in ("FAIL", "FAILED-TO-RUN") for x in verdicts) or not (
-        passing or any(x.verdict == "UNVERIFIED" for x in verdicts))
+        passing or any(x.verdict in ("UNVERIFIED", "INCONCLUSIVE") for x in verdicts))
     unverified = not bad and any(x.verdict == "UNVERIFIED" for x in verdicts)
+    undecided = not bad and any(x.verdict == "INCONCLUSIVE" for x in verdicts)
     warn = any(x.verdict in ("WARN", "SKIPPED") for x in verdicts)
     recommended = None
     rule, key = OBJECTIVES[recipe.objective]
     ranked = [n for n in passing if _safe(key, results[n]) is not None]
     if ranked:
         recommended = min(ranked, key=lambda n: _safe(key, results[n]))
-    verdict = "FAIL" if bad else "UNVERIFIED" if unverified else "WARN" if warn else "PASS"
+    verdict = ("FAIL" if bad else "UNVERIFIED" if unverified else "INCONCLUSIVE" if undecided
+               else "WARN" if warn else "PASS")
     return Signoff(recipe=recipe.name, recipe_hash=recipe_hash, verdict=verdict, exit_code=EXIT_CODES[verdict],
                    variants=verdicts, recommended=recommended,
                    recommendation_rule=f"{rule}, among variants whose gates pass (PASS or WARN)")
 
 
 # the process's exit code per run verdict (2: bad input, from the CLI; 3: `compare`, not like for like)
-EXIT_CODES = {"PASS": 0, "WARN": 0, "FAIL": 1, "UNVERIFIED": 4}
+EXIT_CODES = {"PASS": 0, "WARN": 0, "FAIL": 1, "UNVERIFIED": 4, "INCONCLUSIVE": 5}
 
 
 def _safe(key, r: VariantOutcome):
