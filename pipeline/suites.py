@@ -79,6 +79,37 @@ def user_task(path: Path) -> Suite:
     return Suite(name=name, kind="user", yaml_path=path.resolve())
 
 
+def user_slices(suite: Suite, max_bytes: int = 256 << 20) -> dict[str, set[str]] | None:
+    """The slice dimensions and values a user task's items carry (each doc's `slices` mapping), read
+    from its local JSON/JSONL data before a run; None when that cannot be known without lm-eval
+    (remote data, a `process_docs` that may rewrite docs, another format, or too large to read)."""
+    data = read_task_yaml(suite.yaml_path)
+    if "process_docs" in data:
+        return None
+    files = (data.get("dataset_kwargs") or {}).get("data_files")
+    if isinstance(files, dict):
+        split = data.get("test_split") or data.get("validation_split")
+        files = files.get(split) if split else None
+    if not files:
+        return None
+    out: dict[str, set[str]] = {}
+    for f in files if isinstance(files, list) else [files]:
+        path = next((c for c in (Path(str(f)), suite.yaml_path.parent / str(f)) if c.is_file()), None)
+        if path is None or path.suffix not in (".json", ".jsonl") or path.stat().st_size > max_bytes:
+            return None
+        text = path.read_text(errors="replace")
+        try:
+            docs = json.loads(text) if path.suffix == ".json" else [json.loads(x) for x in text.splitlines() if x.strip()]
+        except json.JSONDecodeError:
+            return None
+        if isinstance(docs, dict):  # {"data": [...]}-style files: lm-eval reads them through `field`
+            docs = docs.get((data.get("dataset_kwargs") or {}).get("field", "data"), [])
+        for doc in docs if isinstance(docs, list) else []:
+            for dim, val in ((doc.get("slices") or {}) if isinstance(doc, dict) else {}).items():
+                out.setdefault(str(dim), set()).add(str(val))
+    return out
+
+
 def resolve(entries, base_dir: Path | None = None) -> list[Suite]:
     out = []
     for e in entries:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -293,3 +294,31 @@ def test_lm_eval_asks_no_git_outside_a_repository(tmp_path, monkeypatch, capfd):
     run_lm_eval(None, tmp_path, None, {}, tmp_path, "x")  # nothing to score: returns after its set-up
     assert lm_eval.evaluator.get_git_commit_hash() is None
     assert "not a git repository" not in capfd.readouterr().err
+
+
+def test_a_user_tasks_slices_are_checked_against_its_own_data(tmp_path, monkeypatch):
+    """validate reads the slices a user task's local items carry: a gate on a slice no item has
+    fails before any engine starts; one the data has, and prompt_len under max_model_len, load."""
+    monkeypatch.chdir(tmp_path)
+    rows = [{"q": "a", "slices": {"domain": "law"}}, {"q": "b", "slices": {"domain": "medicine"}}]
+    (tmp_path / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "mine.yaml").write_text("task: mine\noutput_type: multiple_choice\ndataset_path: json\n"
+                                        "dataset_kwargs: {data_files: {test: items.jsonl}}\ntest_split: test\n")
+
+    def recipe_with(scope):
+        p = tmp_path / "r.yaml"
+        p.write_text(yaml.safe_dump({**base_recipe(suites=["mine.yaml"]), "gates": [
+            {"metric": "accuracy_delta", "scope": scope, "op": ">=", "threshold": -0.1}]}))
+        return p
+
+    assert load(recipe_with("mine/domain=law")).gates[0].scope == "mine/domain=law"
+    assert load(recipe_with("mine/prompt_len=64-127 tok"))
+    for scope, msg in (("mine/domain=finance", "no item of mine has domain=finance (its data has law, medicine)"),
+                       ("mine/topic=x", "mine's items carry the slices domain"),
+                       ("mine/prompt_len=>=4096 tok", "can never hold an item")):
+        with pytest.raises(RecipeError, match=re.escape(msg)) as exc:
+            load(recipe_with(scope))
+        assert "gates.0.scope" in str(exc.value)
+    # docs rewritten by process_docs: not knowable before the run, so not refused
+    (tmp_path / "mine.yaml").write_text((tmp_path / "mine.yaml").read_text() + "process_docs: !function u.f\n")
+    assert load(recipe_with("mine/domain=finance"))

@@ -4,7 +4,8 @@ Sign-off can only judge a gate whose metric and scope exist in the results: a sc
 no suite, a slice dimension the suite does not have, a slice value it never produces, or an item
 metric on the drift corpus would end as N/A -> FAIL after the whole run. Builtin suites' slices are
 known before a run (pipeline/suitetable.py; values from the recipe and the extractors); a user's
-task YAML declares its slices only in its data, so those are checked at sign-off.
+task declares its slices in its data (each doc's `slices`), read from its local files
+(suites.user_slices) where that can be known without lm-eval.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ def slice_values(recipe, suite: str, dim: str) -> set[str] | None:
     return None
 
 
-def scope_problem(recipe, metric: str, scope: str, task_names: list[str]) -> str | None:
-    """Why sign-off could not judge this gate, or None."""
+def scope_problem(recipe, metric: str, scope: str, task_names: list[str],
+                  user: dict[str, dict[str, set[str]] | None] | None = None) -> str | None:
+    """Why sign-off could not judge this gate, or None. `user`: each user task's slices from its data
+    (None for a task whose slices cannot be known before the run)."""
     m = metrics.METRICS[metric]
     if scope in ("overall", "each_suite"):
         return None
@@ -42,18 +45,46 @@ def scope_problem(recipe, metric: str, scope: str, task_names: list[str]) -> str
     if m.needs == "items" and suite == "drift":
         return f"{metric} is judged on scored items; drift has none (gate it with kl_divergence, top1_agreement or " \
                "perplexity_ratio, scope overall)"
-    if not sl or suite not in suitetable.SUITES:
+    if not sl:
         return None
     dim, eq, value = sl.partition("=")
+    if suite not in suitetable.SUITES:
+        return _user_scope_problem(recipe, scope, suite, dim, eq, value, (user or {}).get(suite))
     dims = suitetable.SUITES[suite].slices
     if not eq or dim not in dims:
         return f"{scope!r}: {suite} is sliced by {', '.join(dims) or 'nothing'} (scope suite/dimension=value)"
+    if dim == "prompt_len":
+        return _prompt_len_problem(recipe, scope, suite, value)
     values = slice_values(recipe, suite, dim)
-    if dim == "prompt_len" and value in values and _bucket_floor(value) >= recipe.engine.max_model_len:
-        return (f"{scope!r} can never hold an item: its prompts are {value.replace(' tok', '')} tokens long, and "
-                f"engine.max_model_len is {recipe.engine.max_model_len}")
     if values is not None and value not in values:
         return f"{scope!r}: {suite}/{dim} takes the values {', '.join(sorted(values))}"
+    return None
+
+
+def _user_scope_problem(recipe, scope: str, suite: str, dim: str, eq: str, value: str,
+                        data: dict[str, set[str]] | None) -> str | None:
+    """A user task's slice: prompt_len as for any suite; the rest from the slices its items carry."""
+    if dim == "prompt_len" and eq:
+        return _prompt_len_problem(recipe, scope, suite, value)
+    if data is None:
+        return None  # not knowable before the run: sign-off names it if it is empty
+    if not eq or dim not in data:
+        return f"{scope!r}: {suite}'s items carry the slices {', '.join(sorted(data)) or 'none'} (scope " \
+               "suite/dimension=value; each doc's `slices` mapping)"
+    if value not in data[dim]:
+        shown = sorted(data[dim])
+        return f"{scope!r}: no item of {suite} has {dim}={value} (its data has {', '.join(shown[:12])}" \
+               + (f" and {len(shown) - 12} more" if len(shown) > 12 else "") + ")"
+    return None
+
+
+def _prompt_len_problem(recipe, scope: str, suite: str, value: str) -> str | None:
+    values = slice_values(recipe, suite, "prompt_len")
+    if value not in values:
+        return f"{scope!r}: {suite}/prompt_len takes the values {', '.join(sorted(values))}"
+    if _bucket_floor(value) >= recipe.engine.max_model_len:
+        return (f"{scope!r} can never hold an item: its prompts are {value.replace(' tok', '')} tokens long, and "
+                f"engine.max_model_len is {recipe.engine.max_model_len}")
     return None
 
 

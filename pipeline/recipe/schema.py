@@ -344,11 +344,14 @@ def _check_suites(recipe: Recipe, p: Path) -> None:
     """Each suite resolves (a user's task YAML is read) to a task name of its own; gates scope those."""
     from pipeline import suites
 
-    names = []
+    names, user = [], {}
     for i, s in enumerate(recipe.quality.suites):
         try:
-            names.append(suites.resolve([s])[0].name)
-        except ValueError as exc:
+            suite = suites.resolve([s])[0]
+            names.append(suite.name)
+            if suite.kind == "user" and any(g.scope.startswith(f"{suite.name}/") for g in recipe.gates):
+                user[suite.name] = suites.user_slices(suite)
+        except (ValueError, OSError) as exc:
             raise RecipeError(f"{p}: quality.suites.{i}: {one_line(exc)}") from None
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -356,5 +359,5 @@ def _check_suites(recipe: Recipe, p: Path) -> None:
     from pipeline.recipe.gatecheck import scope_problem
 
     for i, g in enumerate(recipe.gates):
-        if problem := scope_problem(recipe, g.metric, g.scope, names):
+        if problem := scope_problem(recipe, g.metric, g.scope, names, user):
             raise RecipeError(f"{p}: gates.{i}.scope: {problem}")

@@ -153,12 +153,16 @@ def _one_gate(g, scope: str, inp: metrics.Inputs) -> GateOutcome:
 
 
 def _judged(gate, measured: Measured, inp: metrics.Inputs) -> GateOutcome:
-    """judge(), and what an unmeasured fail gate means: UNVERIFIED here, or FAIL."""
+    """judge(), and what an unmeasured gate means: quality with no paired items is missing data (ERROR on a
+    fail gate); a systems fail gate this hardware cannot measure is UNVERIFIED, else FAIL."""
     m = metrics.METRICS[gate.metric]
     skipped = m.stage == "systems" and inp.systems is not None and inp.systems.status == "skipped"
     why = ((inp.systems.error if inp.systems else None) or "not measured") if m.stage == "systems" else "not measured"
     out = judge(gate, measured, why)
-    if out.outcome == "N/A" and gate.severity == "fail":
+    if out.outcome == "N/A" and m.stage == "quality":  # no paired items there: missing data, never a pass
+        out.note = f"missing data: no paired items (or drift windows) for {gate.scope!r}"
+        out.outcome = "ERROR" if gate.severity == "fail" else "N/A"
+    elif out.outcome == "N/A" and gate.severity == "fail":
         out.note = (f"fail gate not measurable on this hardware: {why}" if skipped
                     else f"fail gate not measured: {why}")
         if not skipped:  # not the hardware's doing: what should have been measured was not
