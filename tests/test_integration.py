@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -60,10 +62,37 @@ def run(tmp_path_factory):
     # kind and the run is the same everywhere (the native paths: test_schemes, test_ray, test_resume)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_TOKEN": SECRET, "OPENAI_API_KEY": SECRET,
            "QUANTIZE_EVAL_SUPPORT_ANSWERS": str(ROOT / "tests" / "fixtures" / "support" / "cpu-avx2.json")}
-    first = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env, timeout=1800)
+    first, stamps = timed_run(cmd, cwd=tmp, env=env, timeout=1800)
     run_dirs = sorted((tmp / "runs").glob("tiny-*"))
-    return {"tmp": tmp, "model": model, "proc": first, "cmd": cmd, "env": env,
+    return {"tmp": tmp, "model": model, "proc": first, "cmd": cmd, "env": env, "stamps": stamps,
             "dir": run_dirs[-1] if run_dirs else None}
+
+
+def timed_run(cmd, cwd, env, timeout) -> tuple[subprocess.CompletedProcess, list[tuple[float, str]]]:
+    """subprocess.run with both streams captured, and the time each line of either arrived: the console
+    a user watches, with its timestamps (a pipe, so progress prints its plain lines, as in a CI log)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stamps: list[tuple[float, str]] = []
+    out: dict[str, list[str]] = {"stdout": [], "stderr": []}
+
+    def read(stream, name):
+        for line in stream:
+            stamps.append((time.monotonic(), line.rstrip("\n")))
+            out[name].append(line)
+
+    threads = [threading.Thread(target=read, args=(getattr(proc, n), n), daemon=True) for n in out]
+    stamps.append((time.monotonic(), "<start>"))
+    for t in threads:
+        t.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for t in threads:
+        t.join()
+    stamps.append((time.monotonic(), "<exit>"))
+    return subprocess.CompletedProcess(cmd, rc, "".join(out["stdout"]), "".join(out["stderr"])), stamps
 
 
 def compressed_tensors_checkpoint(model: Path, out: Path) -> None:
@@ -100,6 +129,15 @@ def test_run_completes_with_verdict(run):
     for name in ("awq", "w8a8"):
         done, total = log_counter(run["dir"] / name / "quantize.log", PROGRESS)()
         assert done == total and total >= 4, (name, done, total)
+
+
+def test_the_console_is_never_silent_for_more_than_15_s(run):
+    """A real run's console, timestamped line by line: no stretch over 15 s without a line (engine
+    starts, probes, quantization, quality's first requests, sign-off and rendering included)."""
+    stamps = sorted(run["stamps"])
+    gaps = [(b[0] - a[0], a[1], b[1]) for a, b in zip(stamps, stamps[1:], strict=False)]
+    worst = max(gaps)
+    assert worst[0] <= 15.0, f"{worst[0]:.1f} s without a line, between {worst[1]!r} and {worst[2]!r}"
 
 
 def test_quality_numbers_are_real(run):

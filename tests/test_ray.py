@@ -111,6 +111,29 @@ def test_variants_ran_concurrently(runs):
     assert a0 < b1 and b0 < a1, spans  # the two quantize stages overlapped in time
 
 
+def test_a_measuring_engine_held_its_node_alone(runs):
+    """Every evaluate stage (its engine measures latency and memory) ran with no other stage on the node:
+    the Ray resource quantize_eval_host, taken whole by evaluate and in slivers by quantize."""
+    acc = [json.loads(line) for line in (runs["ray_dir"] / "stage-accounting.jsonl").read_text().splitlines()]
+    spans = [(a["variant"], a["stage"], a["t0"], a["t"]) for a in acc]
+    for v, stage, t0, t1 in spans:
+        if stage != "evaluate":
+            continue
+        beside = [(w, st) for w, st, s0, s1 in spans if (w, st) != (v, stage) and s0 < t1 and t0 < s1]
+        assert not beside, (v, beside, spans)
+
+
+def test_nodes_without_the_host_resource_are_refused_before_any_task():
+    from pipeline.run.preflight import PreflightError
+    from pipeline.run.ray_executor import HOST, check_host_resource
+
+    good = {"Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 8.0, HOST: 1.0}}
+    head = {"Alive": True, "NodeManagerAddress": "10.0.0.9", "Resources": {"CPU": 0.0}}
+    check_host_resource([good, head])
+    with pytest.raises(PreflightError, match=r"10\.0\.0\.2 do not declare the resource quantize_eval_host"):
+        check_host_resource([good, {"Alive": True, "NodeManagerAddress": "10.0.0.2", "Resources": {"CPU": 8.0}}])
+
+
 def test_results_match_the_local_executor(runs):
     for name in ("baseline", "qa", "rtn"):
         for d_name in ("local_dir", "ray_dir"):

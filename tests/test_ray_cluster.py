@@ -58,7 +58,7 @@ def cluster_run(tmp_path_factory):
     path = tmp / "cluster.yaml"
     path.write_text(yaml.safe_dump(recipe))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    first = cluster.add_node(num_cpus=2)
+    first = cluster.add_node(num_cpus=2, resources={"quantize_eval_host": 1})
     cluster.wait_for_nodes()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_DEDUP_LOGS": "0"}
     log = open(tmp / "driver.log", "w")
@@ -77,7 +77,8 @@ def cluster_run(tmp_path_factory):
                 engine_pgid = int((base / "engine.pgid").read_text().split()[0])
                 cluster.remove_node(first, allow_graceful=False)
                 removed = {"worker": worker, "engine_pgid": engine_pgid}
-                cluster.add_node(num_cpus=2)  # a replacement joins; the retried task runs there
+                # a replacement joins; the retried task runs there
+                cluster.add_node(num_cpus=2, resources={"quantize_eval_host": 1})
             time.sleep(1)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -24,10 +24,16 @@ import time
 from pathlib import Path
 
 from pipeline.console import say
+from pipeline.run.preflight import PreflightError
 from pipeline.setup import envs
 from pipeline.store import outcome
 
 ROOT = Path(__file__).resolve().parents[2]
+# One unit per node. An evaluate task (its engine measures latency and memory) takes the whole unit, so it
+# holds its node alone; a quantize task takes a sliver, so quantize tasks share a node with each other but
+# never run beside a measuring engine. A Ray resource, so it holds across processes, retries and nodes.
+HOST = "quantize_eval_host"
+EVALUATE_SHARE, QUANTIZE_SHARE = 1.0, 0.001
 
 
 class StageCrashed(RuntimeError):
@@ -79,15 +85,28 @@ def run_all(ctx, recipe_path: Path) -> dict[str, float]:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # two variants' identical lines are both news
     if started_here:
         if ex.address is None:  # a private Ray instance on this machine, for this run only
-            ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True,
-                     configure_logging=False)
+            ray.init(num_cpus=max(2, os.cpu_count() or 2), resources={HOST: 1}, include_dashboard=False,
+                     log_to_driver=True, configure_logging=False)
         else:
             ray.init(address=ex.address, log_to_driver=True, configure_logging=False)
     try:
+        check_host_resource(ray.nodes())
         return _schedule(ray, ctx, recipe_path)
     finally:  # a private instance goes with this run, also when the run fails
         if started_here:
             ray.shutdown()
+
+
+def check_host_resource(nodes: list[dict]) -> None:
+    """Every node that can run a task declares one HOST unit, or an evaluate task could land beside a
+    quantize task and measure the contention (or wait forever for a unit no node has)."""
+    workers = [n for n in nodes if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
+    lacking = [n.get("NodeManagerAddress", "?") for n in workers if n.get("Resources", {}).get(HOST) != 1]
+    if lacking or not workers:
+        raise PreflightError(
+            f"executor.address: node(s) {', '.join(lacking) or '(none with CPUs)'} do not declare the resource "
+            f"{HOST}: 1 (start every node with `ray start ... --resources '{{\"{HOST}\": 1}}'`, so a measuring "
+            "engine holds its node alone)")
 
 
 def _schedule(ray, ctx, recipe_path: Path) -> dict[str, float]:
@@ -98,8 +117,9 @@ def _schedule(ray, ctx, recipe_path: Path) -> dict[str, float]:
         recipe.engine.tensor_parallel_size if envs.has_nvidia_gpu() else 0)
     task = ray.remote(stage_task)
     retry = {"max_retries": ex.max_retries, "retry_exceptions": [StageCrashed]}
-    evaluate = task.options(num_cpus=ex.cpus_per_variant, num_gpus=gpus, **retry)
-    quantize = task.options(num_cpus=ex.quantize_cpus, num_gpus=ex.quantize_gpus, **retry)
+    evaluate = task.options(num_cpus=ex.cpus_per_variant, num_gpus=gpus, resources={HOST: EVALUATE_SHARE}, **retry)
+    quantize = task.options(num_cpus=ex.quantize_cpus, num_gpus=ex.quantize_gpus, resources={HOST: QUANTIZE_SHARE},
+                            **retry)
     common = (os.getcwd(), str(Path(recipe_path).resolve()), str(ctx.run_dir.root.resolve()))
     t0 = time.perf_counter()
     pending: dict = {}
