@@ -316,7 +316,8 @@ class Measured(Model):
         "over the cell's repeats, each side measured in one engine start (start-to-start spread is not in it). "
         "Both are judged alike: PASS when the conservative end clears the threshold, FAIL when the point "
         "estimate is beyond it, INCONCLUSIVE in between.")
-    n: int | None = Field(None, description="Paired items, windows or repeats the interval rests on.")
+    n: int | None = Field(None, description="How many units the interval rests on (n_of names them).")
+    n_of: str = Field("items", description="What n counts: items, windows, workload.repeats or workload.engine_starts.")
 
 
 class GateOutcome(Model):

@@ -96,3 +96,36 @@ def test_the_items_an_inconclusive_gate_asks_for_mostly_certify_it():
     n = int(np.median(asks))
     assert 200 < n < 5000, n
     assert ni_outcomes(n, 0.01, 0.20, reps=150, seed=12)["PASS"] >= 0.6
+
+
+def start_outcomes(starts: int, start_noise: float = 0.10, repeats: int = 4, noise: float = 0.05,
+                   reps: int = 2000, seed: int = 0) -> dict[str, float]:
+    """An unchanged variant where every engine start shifts latency by its own factor (10% spread, as
+    seen between starts of one baseline) and repeats inside a start add 5%. One start per side: the
+    within-start interval (what sign-off does with engine_starts 1); more: per-start geometric means,
+    as metrics._start_means feeds stats.ratio_ci."""
+    rng = np.random.default_rng(seed)
+    out: Counter[str] = Counter()
+    for _ in range(reps):
+        sides = []
+        for _side in range(2):
+            shift = rng.normal(0, start_noise, starts)
+            runs = 40.0 * np.exp(shift[:, None] + rng.normal(0, noise, (starts, repeats)))
+            sides.append(runs)
+        v, b = sides
+        if starts == 1:
+            value, lo, hi = stats.ratio_ci(v[0].tolist(), b[0].tolist())
+        else:
+            value, lo, hi = stats.ratio_ci(np.exp(np.log(v).mean(axis=1)).tolist(),
+                                           np.exp(np.log(b).mean(axis=1)).tolist())
+        out[judge(LATENCY_GATE, Measured(value=value, ci_low=lo, ci_high=hi, interval="repeats")).outcome] += 1
+    return {k: out[k] / reps for k in ("PASS", "FAIL", "INCONCLUSIVE")}
+
+
+def test_start_to_start_spread_is_called_a_regression_only_without_further_starts():
+    """Repeats in one start miss the start-to-start spread: an unchanged variant then reads FAIL about 1 time
+    in 10 against a 1.2x gate. Judged across engine starts, that falls to under 2% at 4 starts, and what the
+    spread leaves undecided is INCONCLUSIVE, which more starts reduce."""
+    one, four, ten = (start_outcomes(s, seed=s) for s in (1, 4, 10))
+    assert one["FAIL"] > 0.05 and four["FAIL"] < 0.02 and ten["FAIL"] < 0.02, (one, four, ten)
+    assert ten["INCONCLUSIVE"] < four["INCONCLUSIVE"] and ten["PASS"] > 0.5, (four, ten)

@@ -126,17 +126,27 @@ def test_sigkill_at_several_points_then_resume(tmp_path):
     assert "FAILED-TO-RUN" in (run_dir / "report.html").read_text()
     assert not set(ckpts.glob("*.tmp*")) - tmps_before, "this run left a half-written checkpoint"
 
-    # 5: changing only the workload re-measures systems and nothing else
+    # 5: changing only the workload re-measures systems and nothing else; with two engine starts, each
+    # measures the primary cell again and latency is judged across them
     recipe["variants"].pop()
     recipe["calibration"].pop("timeout_s")
     recipe["workload"]["num_requests"] = 3
+    recipe["workload"]["engine_starts"] = 2
+    recipe["gates"] = [{"metric": "tpot_p50_ratio", "op": "<=", "threshold": 100.0}]
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-3000:]
     assert "baseline | evaluate: starting engine (systems)" in again.stdout
     assert "quantize: done earlier" in again.stdout
     assert (quality.read_bytes(), quality.stat().st_mtime_ns) == before
-    assert json.loads((run_dir / "baseline" / "systems.json").read_text())["latency"]["completed"] == 3
+    base_sys = json.loads((run_dir / "baseline" / "systems.json").read_text())
+    assert base_sys["latency"]["completed"] == 3  # the summary is the first start's
+    assert [r["start"] for r in base_sys["latency"]["repeats"]] == [0, 1]
+    assert "baseline | engine start 2/2 ready" in again.stdout and (run_dir / "rtn" / "engine-start2.log").exists()
+    gate = json.loads((run_dir / "signoff.json").read_text())["variants"][0]["gates"][0]
+    assert gate["measured"]["n_of"] == "workload.engine_starts" and gate["measured"]["n"] == 2, gate
+    time.sleep(2)
+    assert not engines_of(tmp_path), "a further engine start outlived its measurement"
 
     # 6: Ctrl-C (SIGINT) while an engine serves: exit 130, finished work kept, engine reaped
     recipe["workload"]["num_requests"] = 5

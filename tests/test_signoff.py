@@ -322,3 +322,26 @@ def test_a_gate_on_a_slice_with_no_paired_items_is_missing_data_never_pass(tmp_p
     g = so.variants[0].gates[0]
     assert g.outcome == "ERROR" and "missing data: no paired items" in g.note and "1024-2047 tok" in g.note
     assert so.verdict == "FAIL" and so.exit_code == 1
+
+
+def test_latency_across_engine_starts_is_judged_on_the_starts(tmp_path):
+    """Repeats tagged with two engine starts per side: the interval is over the starts' geometric means
+    (a start 20% slower than the other widens it), and the note says so; untagged repeats stay one start."""
+    r = recipe([{"metric": "tpot_p50_ratio", "op": "<=", "threshold": 1.2, "severity": "fail"}])
+    root = make_run(tmp_path / "run", r, BASE, BASE)
+    results = load_results(root)
+    for name, starts in (("v4", [[40.0, 41.0], [48.0, 49.0]]), ("baseline", [[40.0, 40.5], [41.0, 41.5]])):
+        results[name]["systems"].latency.repeats = [
+            {"start": i, "ttft_p50": 100.0, "ttft_p99": 150.0, "tpot_p50": x, "tpot_p99": x * 1.5}
+            for i, xs in enumerate(starts) for x in xs]
+    g = signoff(r, "h", root, results).variants[0].gates[0]
+    assert g.measured.n == 2 and g.measured.n_of == "workload.engine_starts"
+    assert g.judged_on == "95% CI upper bound and point (over engine starts)"
+    assert "ratio over engine starts (2 variant, 2 baseline)" in g.note
+    assert g.outcome == "INCONCLUSIVE" and "workload.engine_starts in all (now 2)" in g.note
+    # the same eight numbers as one start each: the tight within-start interval would PASS them
+    for name in ("v4", "baseline"):
+        for rep in results[name]["systems"].latency.repeats:
+            rep["start"] = 0
+    within = signoff(r, "h", root, results).variants[0].gates[0]
+    assert within.measured.n_of == "workload.repeats" and "not the start-to-start spread" in within.note

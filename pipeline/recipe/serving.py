@@ -103,6 +103,10 @@ class WorkloadSpec(Strict):
                          "latency gates are judged on a 95% t interval over the repeats, which narrows as they grow "
                          "(4: an unchanged variant passes a 1.2x gate at 5% noise per repeat 95% of the time; "
                          "tests/test_gate_simulation.py), and the spread of p50 TPOT is reported.")
+    engine_starts: int = Field(1, ge=1, le=10, description="Engine starts the primary cell's repeats are spread "
+                               "over (the first start measures everything; each further one restarts the engine and "
+                               "measures the primary cell's repeats again). From 2 on both sides, latency gates are "
+                               "judged across starts, so the start-to-start spread is inside their interval.")
     slo_ttft_ms: float | None = Field(None, gt=0, description="Goodput SLO: TTFT at most this.")
     slo_tpot_ms: float | None = Field(None, gt=0, description="Goodput SLO: TPOT at most this.")
     cost_per_hour_usd: float | None = Field(None, ge=0, description="Hardware price, for $ per 1k requests.")

@@ -119,7 +119,8 @@ def judge(gate, measured: Measured, why_missing: str = "not measured") -> GateOu
     worst, best = (measured.ci_low, measured.ci_high) if gate.op == ">=" else (measured.ci_high, measured.ci_low)
     over = "repeats" if measured.interval == "repeats" else "items"
     judged_on = f"95% CI {'lower' if gate.op == '>=' else 'upper'} bound and point" + (
-        " (over repeats)" if over == "repeats" else "")
+        "" if over != "repeats" else " (over engine starts)" if measured.n_of == "workload.engine_starts"
+        else " (over repeats)")
     if passes(worst):
         note = f"certified at 95%: {'at least' if gate.op == '>=' else 'at most'} {worst:.4g}"
         return GateOutcome(**common, judged_on=judged_on, outcome="PASS", note=note)
@@ -128,8 +129,7 @@ def judge(gate, measured: Measured, why_missing: str = "not measured") -> GateOu
                 else "the point estimate is beyond the threshold")
         return GateOutcome(**common, judged_on=judged_on, outcome=bad, note=note)
     need = stats.n_to_certify(measured.n or 0, measured.value, worst, gate.threshold)
-    what = ("workload.repeats" if over == "repeats" else
-            "windows" if gate.metric in metrics.METRICS and metrics.METRICS[gate.metric].needs == "drift" else "items")
+    what = measured.n_of
     note = (f"the point passes but the 95% interval reaches the threshold: about {need} {what} in all "
             f"(now {measured.n}) would certify it with 80% chance if the estimate and its spread hold"
             if need else f"the point passes but the 95% interval reaches the threshold: more {what} would decide it")

@@ -145,9 +145,31 @@ def loaded_weight_bytes(model_dir: Path, engine_elem_bytes: int) -> int:
     return int(weight_bytes(model_dir) * factor)
 
 
+def restart_repeats(server: Engine, model_dir: Path, recipe, variant: str, start: int) -> list[dict]:
+    """On a further engine start: warm-up, then the primary cell's repeats again, each tagged with the
+    start it ran in (sign-off judges latency across starts from them)."""
+    from transformers import AutoTokenizer
+
+    w = recipe.workload
+    stream = PromptStream(AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code))
+    warm = stream.take(w.warmup_requests, w.prompt_tokens)
+    if warm:
+        loadgen.run_closed_loop(server.port, server.served_name, warm, w.output_tokens,
+                                min(w.concurrency, len(warm)), w.request_timeout_s)
+    one = measure_cell(server, stream, w, w.prompt_tokens, w.output_tokens, w.concurrency, "unique",
+                       f"{variant} start {start + 1}/{w.engine_starts}")
+    return [{**r, "start": start} for r in one["repeats"]]
+
+
+def add_start(s: SystemsResult, repeats: list[dict]) -> None:
+    """A further start's repeats join the primary cell's (the first start's figures stay the summary)."""
+    s.latency.repeats += repeats
+    s.latency.repeats_tpot_p50_ms += [r["tpot_p50"] for r in repeats if r["tpot_p50"] is not None]
+
+
 def measure_cell(server: Engine, stream: PromptStream, w, prompt_tokens: int, output_tokens: int,
                  concurrency: int, prefix: str, label: str = "") -> dict:
-    """One cell, `w.repeats` times on fresh prompts (one engine start): the summary of all its
+    """One cell, `w.repeats` times on fresh prompts (one engine start, tagged 0): the summary of all its
     requests, and each repeat's own percentiles, whose spread gates judge noise against."""
     records, wall, repeats = [], 0.0, []
     what = f"latency {prompt_tokens}/{output_tokens} c={concurrency}{' shared' if prefix == 'shared' else ''}"
@@ -159,7 +181,8 @@ def measure_cell(server: Engine, stream: PromptStream, w, prompt_tokens: int, ou
             records += recs
             wall += secs
             one = loadgen.summarize(recs, secs)
-            repeats.append({f"{k}_{q}": one[f"{k}_ms"][q] for k in ("ttft", "tpot") for q in ("p50", "p99")})
+            repeats.append({"start": 0, **{f"{k}_{q}": one[f"{k}_ms"][q] for k in ("ttft", "tpot")
+                                           for q in ("p50", "p99")}})
     latency = loadgen.summarize(records, wall, w.slo_ttft_ms, w.slo_tpot_ms, w.cost_per_hour_usd)
     p50s = [r["tpot_p50"] for r in repeats if r["tpot_p50"] is not None]
     latency["repeats"] = repeats
