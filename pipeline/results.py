@@ -81,9 +81,23 @@ class DriftQuality(Model):
     samples_sha256: str | None = None
 
 
+class NoiseFloor(Model):
+    """The baseline's items scored twice in one engine, batched differently: the flips the engine makes
+    against itself (A/A). Symmetric noise: it widens a paired CI (which holds it already), never biases it."""
+    n: int
+    flips_correct_to_wrong: int
+    flips_wrong_to_correct: int
+    how: str
+
+    @property
+    def flips(self) -> int:
+        return self.flips_correct_to_wrong + self.flips_wrong_to_correct
+
+
 class QualityResult(StageResult):
     stage: Literal["quality"] = "quality"
     suites: dict[str, SuiteQuality] = Field(default_factory=dict)
+    noise_floor: dict[str, NoiseFloor] = Field(default_factory=dict, description="Baseline only: per suite, A/A.")
     drift: DriftQuality | None = None
     lm_eval_version: str | None = None
     settings: dict = Field(default_factory=dict)

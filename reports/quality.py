@@ -38,9 +38,16 @@ def _failures(s: SuiteQuality) -> str:
     return "wrong " + str(cats.get("wrong", s.n - s.correct))
 
 
-def _suite_row(name: str, suite: str, s: SuiteQuality, p: PairedSlice | None) -> list[str]:
+def _aa(nf) -> str:
+    """The engine's own flips on this suite (the baseline scored twice, batched otherwise)."""
+    return (f"<span class='small muted'>engine vs itself: {nf.flips_correct_to_wrong} / {nf.flips_wrong_to_correct}"
+            f" of {nf.n}</span>") if nf is not None else ""
+
+
+def _suite_row(name: str, suite: str, s: SuiteQuality, p: PairedSlice | None, nf=None) -> list[str]:
+    flips = " ".join(x for x in (_flips(p) if p else "", _aa(nf)) if x) or "–"
     return [escape(name), escape(suite), str(s.n), _acc_ci(s.accuracy, s.ci_low, s.ci_high),
-            fmt(s.chance, pct=True), _delta(p) if p else "–", _flips(p) if p else "–",
+            fmt(s.chance, pct=True), _delta(p) if p else "–", flips,
             f"{fmt(p.mcnemar_p, 3)} ({fmt(p.mcnemar_p_holm, 3)})" if p else "–",
             escape(_failures(s)), "<b>near chance</b>" if s.near_chance else ""]
 
@@ -54,11 +61,13 @@ def _overall_row(name: str, p: PairedSlice) -> list[str]:
 
 def quality_section(run: Run) -> str:
     rows = []
+    base = run.variants.get("baseline")
+    noise = base.quality.noise_floor if base is not None and base.quality else {}
     for name, v in run.variants.items():
         if not v.quality:
             continue
         paired = run.paired(name)
-        rows += [_suite_row(name, suite, s, paired.get(suite)) for suite, s in v.quality.suites.items()]
+        rows += [_suite_row(name, suite, s, paired.get(suite), noise.get(suite)) for suite, s in v.quality.suites.items()]
         if "overall" in paired:
             rows.append(_overall_row(name, paired["overall"]))
     return ("<h2>Quality, paired against the baseline</h2><p class='small muted'>Per item: multiple choice "
@@ -68,8 +77,10 @@ def quality_section(run: Run) -> str:
             "so it is approximate). Accuracy with 95% Wilson CI; chance is 1/choices (0 for generation). "
             "Delta is variant − baseline on the same items; its 95% CI is "
             "the union of a paired bootstrap and the Agresti–Min interval (the bootstrap alone collapses "
-            "to a point when few items flip). Flips: correct→wrong / wrong→correct. McNemar: exact two-sided p "
-            "(Holm-adjusted across every suite and slice of the variant).</p>"
+            "to a point when few items flip). Flips: correct→wrong / wrong→correct; beside them, the flips the engine "
+            "makes against itself on the same items (the baseline scored twice in one engine, batched otherwise: "
+            "A/A), so engine noise is not read as a loss; such noise flips both ways, and the paired CI already "
+            "holds it. McNemar: exact two-sided p (Holm-adjusted across every suite and slice of the variant).</p>"
             + table(["variant", "suite", "n", "accuracy [95% CI]", "chance", "Δ vs baseline [95% CI]",
                      "flips c→w / w→c", "McNemar p (Holm)", "failures", ""], rows, left=2))
 

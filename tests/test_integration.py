@@ -155,6 +155,15 @@ def test_quality_numbers_are_real(run):
     paired = load(run, "signoff.json")["variants"][0]["paired"]
     names = {p["slice"] for p in paired}
     assert {"piqa", "siqa", "asdiv", "needle", "overall", "needle/depth=0%", "needle/depth=100%"} <= names
+    # the engine against itself: the baseline's every item scored twice, batched otherwise (A/A)
+    base = load(run, "baseline", "quality.json")
+    nf = base["noise_floor"]
+    assert set(nf) == {"piqa", "siqa", "asdiv", "needle"} and load(run, "awq", "quality.json")["noise_floor"] == {}
+    for suite, x in nf.items():
+        assert x["n"] == base["suites"][suite]["n"] and "1 request(s) in flight with 3 prompts" in x["how"]
+        assert 0 <= x["flips_correct_to_wrong"] + x["flips_wrong_to_correct"] <= x["n"]
+    assert "engine vs itself: " in (run["dir"] / "report.html").read_text()
+    assert "engine vs itself (A/A): " in run["proc"].stdout
     assert all(p["mcnemar_p_holm"] is not None for p in paired if p["slice"] != "overall")
 
 

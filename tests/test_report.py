@@ -177,3 +177,18 @@ def test_the_first_table_and_the_schemes_table_say_what_the_engine_computed(run)
     assert "W4A8 × int8 per token (from bfloat16)" in html  # the verdict table
     assert "W4A8 (int8 per token (from bfloat16) activations; VLLM_CPU_INT4_W4A8=1)" in html  # schemes table
     assert "engine environment (numerics)" in html
+
+
+def test_the_engines_own_flips_stand_beside_every_variants(run):
+    """The baseline scored twice (A/A): its flips both ways, counted on the items both passes share, are
+    shown on every variant's suite row, so engine noise is not read as quantization's loss."""
+    from pipeline.stages.quality import aa_flips
+
+    nf = aa_flips({0: 1, 1: 1, 2: 0, 3: 0, 4: 1}, {0: 0, 1: 1, 2: 1, 3: 0, 9: 1}, "twice")
+    assert (nf.n, nf.flips_correct_to_wrong, nf.flips_wrong_to_correct) == (4, 1, 1)
+    path = run / "baseline" / "quality.json"
+    q = json.loads(path.read_text())
+    q["noise_floor"] = {"piqa": {"n": 100, "flips_correct_to_wrong": 2, "flips_wrong_to_correct": 3, "how": "twice"}}
+    path.write_text(json.dumps(q))
+    html = render_run(run).read_text()
+    assert html.count("engine vs itself: 2 / 3 of 100") == 2  # the baseline's row and v4's

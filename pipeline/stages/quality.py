@@ -19,7 +19,7 @@ from pipeline import suites
 from pipeline.engines.interface import Engine
 from pipeline.measure import drift, stats
 from pipeline.progress import Progress
-from pipeline.results import DriftQuality, QualityResult, SliceStat, SuiteQuality
+from pipeline.results import DriftQuality, NoiseFloor, QualityResult, SliceStat, SuiteQuality
 from pipeline.runstore import atomic_write_text
 from pipeline.setup import assets
 
@@ -77,13 +77,16 @@ def run_quality(server: Engine, model_dir: Path, recipe, variant: str, vdir: Pat
         atomic_write_text(path, text)
         results[r.name] = suite_quality(r, rows, metric, str(path.relative_to(vdir)),
                                         hashlib.sha256(text.encode()).hexdigest())
+    noise = {}
+    if variant == "baseline" and q.noise_floor and lm_refs:
+        noise = noise_floor(server, model_dir, recipe, by_limit, tasks_dir, lm_refs, samples_dir, tok, utils, timings)
     drift = None
     if any(r.kind == "drift" for r in refs):
         t1 = time.perf_counter()
         drift = run_drift(server, tok, q.drift, vdir, variant)
         timings["drift"] = round(time.perf_counter() - t1, 1)
     return QualityResult(variant=variant, input_hash=input_hash, status="ok",
-                         duration_s=time.perf_counter() - t0, suites=results, drift=drift,
+                         duration_s=time.perf_counter() - t0, suites=results, noise_floor=noise, drift=drift,
                          lm_eval_version=lm_eval.__version__,
                          settings={"backend": "local-completions (vLLM server, echo+logprobs)",
                                    "limits": {r.name: limit[r.name] for r in lm_refs}, "num_fewshot": 0,
@@ -93,6 +96,34 @@ def run_quality(server: Engine, model_dir: Path, recipe, variant: str, vdir: Pat
                                    "seconds": timings,
                                    "prompt_length_buckets": "prompt tokens by the model's tokenizer, "
                                                             "edges " + ", ".join(map(str, suites.BUCKETS))})
+
+
+AA_CONCURRENT, AA_BATCH = 1, 3  # the A/A pass: another batch composition than any recipe's default
+
+
+def noise_floor(server: Engine, model_dir: Path, recipe, by_limit: dict, tasks_dir: Path, lm_refs: list,
+                samples_dir: Path, tok, utils, timings: dict) -> dict[str, NoiseFloor]:
+    """The baseline's items again, batched otherwise, compared item by item with the first pass."""
+    first_pass = (recipe.quality.num_concurrent, recipe.quality.batch_size)
+    alt = (4, 5) if first_pass == (AA_CONCURRENT, AA_BATCH) else (AA_CONCURRENT, AA_BATCH)
+    how = (f"the same items scored again in the same engine, {alt[0]} request(s) in flight with {alt[1]} prompts "
+           f"each (first pass: {first_pass[0]} x {first_pass[1]})")
+    samples, configs, t = run_lm_eval(server, model_dir, recipe, by_limit, tasks_dir, "baseline A/A", batching=alt)
+    timings.update({f"A/A {k}": v for k, v in t.items()})
+    out = {}
+    for r in lm_refs:
+        first = {x["doc_id"]: x["correct"] for x in map(json.loads, (samples_dir / f"{r.name}.jsonl").open())}
+        again = {x["doc_id"]: x["correct"] for x in score_items(r, samples[r.task], configs.get(r.task, {}), tok,
+                                                                 utils)[0]}
+        out[r.name] = aa_flips(first, again, how)
+    return out
+
+
+def aa_flips(first: dict[int, int], again: dict[int, int], how: str) -> NoiseFloor:
+    """Items (doc_id -> correct) of two passes of one engine: the flips between them, both ways."""
+    ids = sorted(set(first) & set(again))
+    return NoiseFloor(n=len(ids), how=how, flips_correct_to_wrong=sum(1 for i in ids if first[i] and not again[i]),
+                      flips_wrong_to_correct=sum(1 for i in ids if again[i] and not first[i]))
 
 
 def expected_prompts(tasks_dir: Path, group: list) -> int | None:
@@ -108,8 +139,10 @@ def expected_prompts(tasks_dir: Path, group: list) -> int | None:
     return total
 
 
-def run_lm_eval(server: Engine, model_dir: Path, recipe, by_limit: dict, tasks_dir: Path, label: str):
-    """One lm-eval call per distinct limit; progress from the engine's own count of finished requests."""
+def run_lm_eval(server: Engine, model_dir: Path, recipe, by_limit: dict, tasks_dir: Path, label: str,
+                batching: tuple[int, int] | None = None):
+    """One lm-eval call per distinct limit; progress from the engine's own count of finished requests.
+    `batching`: (requests in flight, prompts a request) instead of the recipe's."""
     import threading
 
     import lm_eval
@@ -124,6 +157,8 @@ def run_lm_eval(server: Engine, model_dir: Path, recipe, by_limit: dict, tasks_d
         return samples, configs, timings
     tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
     model_args = lm_eval_model_args(server, model_dir, recipe)
+    if batching:
+        model_args.update(num_concurrent=batching[0], batch_size=batching[1])
     for lim, group in by_limit.items():
         t1, done = time.perf_counter(), threading.Event()
         bar = Progress("quality: " + ", ".join(r.name for r in group), expected_prompts(tasks_dir, group),
@@ -276,5 +311,8 @@ def run_drift(server: Engine, tok, spec, vdir: Path, label: str = "") -> DriftQu
 
 def summary(q: QualityResult) -> str:
     """The stage's console line."""
+    aa = (f"engine vs itself (A/A): {sum(x.flips for x in q.noise_floor.values())} of "
+          f"{sum(x.n for x in q.noise_floor.values())} items flipped") if q.noise_floor else ""
     return ", ".join([f"{s} {r.accuracy:.3f} (n={r.n})" for s, r in q.suites.items()]
-                     + ([f"drift PPL {q.drift.perplexity:.2f} ({q.drift.tokens} tokens)"] if q.drift else []))
+                     + ([f"drift PPL {q.drift.perplexity:.2f} ({q.drift.tokens} tokens)"] if q.drift else [])
+                     + ([aa] if aa else []))
