@@ -181,8 +181,8 @@ class BudgetPlan(Model):
                             "projected from the weights the checkpoint would load as, never measured.")
     budget_bytes: int | None = None
     budget_source: str = ""
-    weights_bytes: int = Field(description="Weights as loaded, predicted from the safetensors headers "
-                               "(engine dtype for floating-point tensors, quantized tensors as stored).")
+    weights_bytes: int = Field(description="Weights as loaded per tensor-parallel rank, predicted from the safetensors "
+                               "headers (engine dtype for floating-point tensors, quantized tensors as stored).")
     engine_weights_bytes: int | None = Field(None, description="Parameters the engine reported it loaded.")
     outside_bytes: int | None = Field(None, description="Kept aside from the budget for what the engine's own sizing "
                                       "does not count (API server, helpers, the worker's transient): one figure for "
@@ -190,8 +190,9 @@ class BudgetPlan(Model):
     runtime_bytes: int | None = Field(None, description="The worker's memory besides weights and pool, as predicted "
                                       "before the engine ran (this host's measurement, else a prior).")
     overhead_source: str = ""
-    predicted_pool_bytes: int | None = Field(None, description="budget - outside - weights - runtime: the pool "
-                                             "predicted before the engine sized its own.")
+    predicted_pool_bytes: int | None = Field(None, description="(budget - outside) / tp - weights - runtime: each "
+                                             "rank's pool predicted before the engine sized its own (budget and "
+                                             "outside are the whole tree's; weights, runtime and pool per rank).")
     predicted_tokens: int | None = Field(None, description="KV tokens of the predicted pool (whole blocks): what a "
                                          "projected variant is compared with.")
     predicted_admitted: int | None = Field(None, description="Requests of the workload's shape the predicted pool holds.")
@@ -199,8 +200,9 @@ class BudgetPlan(Model):
                                 "it read, its request, its non-KV memory: engines/vllm/sizing.py).")
     reserve_bytes: int | None = Field(None, description="Runs before engine sizing: the measured runtime reserve.")
     reserve_source: str = ""
-    pool_bytes: int | None = Field(None, description="KV pool the engine was given (fixed) or chose (budget, gpu); "
-                                   "the prediction until the engine ran, and for a projected plan.")
+    pool_bytes: int | None = Field(None, description="KV pool the engine was given (fixed) or chose (budget, gpu), "
+                                   "per tensor-parallel rank; the prediction until the engine ran, and for a "
+                                   "projected plan.")
     kv_bytes_per_block: int
     block_size: int
     tokens: int | None = Field(None, description="KV tokens the pool holds by the arithmetic (whole blocks).")

@@ -277,3 +277,36 @@ def test_capacity_across_budgets_is_the_engine_at_its_budget_and_its_own_overhea
     assert len({curves["v"][b] - curves["b"][b] for b in both}) <= 2
     fixed = membudget.plan(EngineSpec(kv_cache_gib=0.5), CFG, dense, 4, 4, False)
     assert membudget.across_budgets(fixed, CFG, 4, 1, 320, 512) == []
+
+
+def test_under_tensor_parallelism_the_budget_holds_the_whole_tree(tmp_path):
+    """The budget is the whole engine tree's: what runs outside the workers once, then each rank its
+    weights shard, runtime and pool. Ranks' parts summed never exceed the budget, the engine's fraction
+    asks each worker for its share, and budgets across the sweep keep the same per-rank accounting
+    (this mixed per-rank weights with the whole tree's budget: each rank was handed almost the lot)."""
+    from pipeline.engines.vllm import sizing
+
+    dense = checkpoint(tmp_path / "dense", False)
+    for tp in (1, 2, 4):
+        e = EngineSpec(memory_budget_gib=2.0, max_model_len=512, tensor_parallel_size=tp)
+        p = membudget.plan(e, CFG, dense, 4, 4, False, OVERHEAD, seq_len=320)
+        assert p.weights_bytes == membudget.weights_as_loaded(dense, 4) // tp
+        whole = p.outside_bytes + tp * (p.weights_bytes + p.runtime_bytes + p.pool_bytes)
+        assert 2 * 2**30 - tp <= whole <= 2 * 2**30, (tp, whole)
+        # per rank, tokens are what the rank's pool holds of its share of the KV heads
+        assert p.tokens == capacity.layout(CFG, 4, block=128, tp=tp).tokens(p.pool_bytes)
+        non_kv = p.weights_bytes + p.runtime_bytes
+        membudget.verify(p, CFG, 4, tp, 128, p.tokens, p.weights_bytes, 2**31, 320, {"non_kv_bytes": non_kv})
+        for pt in membudget.across_budgets(p, CFG, 4, tp, 320, 512):
+            assert p.outside_bytes + tp * (non_kv + pt["pool_bytes"]) <= pt["budget_bytes"]
+    total = sizing.node_memory()[0]
+    one, two = (sizing.fraction(2**30, 2**28, tp)["fraction"] for tp in (1, 2))
+    assert two * total == pytest.approx(one * total / 2, abs=2 * total / 1e6)  # each of 2 workers asks half
+    # a budget too small for a tensor-parallel tree says what the whole tree needs
+    small = EngineSpec(memory_budget_gib=0.5, max_model_len=512, tensor_parallel_size=2)
+    p = membudget.plan(small, CFG, dense, 4, 4, False, {**OVERHEAD, "runtime_bytes": 2**28})
+    with pytest.raises(ValueError, match="need") as exc:
+        membudget.check_fits(p, CFG, small, 4, "the base model")
+    need = int(str(exc.value).rsplit("(", 1)[1].split()[0])
+    assert need == OVERHEAD["outside_bytes"] + 2 * (p.weights_bytes + 2**28 + capacity.layout(
+        CFG, 4, block=128, tp=2).pool_for(512))

