@@ -277,3 +277,44 @@ def test_the_ray_tests_variant_runs_on_each_kind(monkeypatch, tmp_path, kind, sc
     assert v["scheme"] == scheme
     fmt = formats.scheme_format(v["scheme"], v.get("kv_cache", "auto"))
     assert support.decide(fmt, SMOLLM2, dtype="float32").mode in ("native", "emulated")
+
+
+def test_the_probe_runs_once_beside_the_baseline_and_is_done_before_its_systems(tmp_path, monkeypatch):
+    """The support probe starts with the baseline (in the background) instead of after it; a variant that
+    asks meanwhile waits for that one probe rather than starting a second; the baseline's systems wait
+    for it, so it never runs beside a measurement."""
+    import threading
+    import time
+
+    from pipeline.run.runner import RunContext
+
+    monkeypatch.delenv(support.ANSWERS_ENV, raising=False)
+    monkeypatch.setattr(support.envs, "home", lambda: tmp_path)
+    probes = []
+
+    def slow_probe(path):
+        probes.append(time.monotonic())
+        time.sleep(0.5)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"platform": "cpu", "platform_name": "x"}))
+
+    monkeypatch.setattr(support, "_probe", slow_probe)
+    askers = [threading.Thread(target=support.capabilities) for _ in range(3)]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join()
+    assert len(probes) == 1  # three callers, one probe
+
+    class Engine:
+        def capabilities(self):
+            time.sleep(0.3)
+            self.done = time.monotonic()
+
+    ctx = RunContext.__new__(RunContext)
+    ctx.recipe, ctx.engine, ctx.probe = type("R", (), {"variants": [1]})(), Engine(), None
+    t0 = time.monotonic()
+    ctx.probe_beside_baseline()
+    assert ctx.probe.is_alive() and time.monotonic() - t0 < 0.2  # started in the background
+    ctx.wait_probe()  # what the baseline's evaluation calls before its systems stage
+    assert not ctx.probe.is_alive() and ctx.engine.done >= t0 + 0.3

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,7 @@ class Needs:
     systems: str | None
     vdir: Path
     tasks_dir: Path
+    before_systems: Callable[[], None] | None = None  # waits for work that must not run beside a measurement
 
 
 def evaluate(job: ServeJob, recipe, dtype: str, needs: Needs, log=print,
@@ -114,6 +116,8 @@ def _evaluate(job: ServeJob, recipe, dtype: str, needs: Needs, log, spent):
                 write_json(vdir / "quality.json", q)
                 log("quality: " + quality.summary(q))
             if need_systems:
+                if needs.before_systems is not None:
+                    needs.before_systems()
                 server.memory.begin_serving()  # the budget's peak: loading and serving, not scoring
                 probe = admission.admission_probe if recipe.workload.admission_probe else None
                 s = systems.run_systems(server, model_dir, recipe, variant, need_systems, kv_bytes, act_bytes, log,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 from pipeline.engines.formats import ACTIVATIONS, Decision, Format
@@ -84,14 +85,22 @@ def capabilities() -> dict:
     key = hash_obj({"env": envs.requirements_file("engine").read_text(), "platform": platform_name(),
                     "isa": sorted(host.cpu_flags()), "probe": sha256_file(PROBE)})[:16]
     path = envs.home() / "support" / f"caps-{key}.json"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        log = path.with_suffix(".log")
-        envs.run_module("engine", "pipeline.engines.vllm.support_probe", [str(path)], log, 600, "engine support probe")
+    with _PROBING:  # asked beside the baseline and again by a variant: one probe, the other waits for it
         if not path.exists():
-            raise RuntimeError(f"engine support probe wrote nothing; log: {log}")
-        os.chmod(path, 0o644)
+            _probe(path)
     return {**json.loads(path.read_text()), "platform_name": platform_name()}
+
+
+_PROBING = threading.Lock()
+
+
+def _probe(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = path.with_suffix(".log")
+    envs.run_module("engine", "pipeline.engines.vllm.support_probe", [str(path)], log, 600, "engine support probe")
+    if not path.exists():
+        raise RuntimeError(f"engine support probe wrote nothing; log: {log}")
+    os.chmod(path, 0o644)
 
 
 def shape_problem(fmt: Format, model_cfg: dict, tp: int = 1) -> str | None:
