@@ -1,6 +1,7 @@
 """quantize-eval: which quantized variant do we ship, and what does it cost?
 
-    quantize-eval RECIPE            run (same as `run RECIPE`); exit 0 pass, 1 a gate fails
+    quantize-eval RECIPE            run (same as `run RECIPE`); exit 0 pass, 1 a gate fails,
+                                    4 a fail gate unmeasurable here, 5 one undecided (INCONCLUSIVE)
     quantize-eval run RECIPE [--fresh]
     quantize-eval search RECIPE     the cheapest mixed-precision variant whose gates pass (the
                                     recipe's search section); exit 0 found, 1 none passed
