@@ -193,7 +193,7 @@ class Server:
         if self.spec.memory_budget_bytes is not None and self.kv_pool_bytes is None and not gpu:
             try:  # the node's memory now, as the worker will read it in a few seconds
                 self.sizing = sized_fraction(self.spec.memory_budget_bytes, self.spec.outside_bytes,
-                                             self.spec.engine.tensor_parallel_size)
+                                             self.engine.tensor_parallel_size)
             except ValueError as exc:
                 raise EngineError(f"engine.memory_budget_gib: {exc}") from None
         t0 = self._t_started = time.perf_counter()
