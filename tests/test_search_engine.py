@@ -150,7 +150,8 @@ def searched(tmp_path_factory):
 def test_search_stops_at_the_cap_and_reports_what_it_found(searched):
     p, s = searched["first"], searched["first_json"]
     assert s["candidates"] == 2 and s["built_now"] == 2  # the cap
-    assert s["rows"][0]["name"] == "search-uniform" and s["rows"][0]["verdict"] == "FAIL"
+    # the uniform candidate does not pass its gate (FAIL, or INCONCLUSIVE where its point clears it)
+    assert s["rows"][0]["name"] == "search-uniform" and s["rows"][0]["verdict"] in ("FAIL", "INCONCLUSIVE")
     passing = [r for r in s["rows"] if r["verdict"] == "PASS"]
     if passing:  # the best that passed, exit 0
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -195,7 +196,8 @@ def test_widening_the_search_reuses_every_candidate(searched):
     assert s["candidates"] == 3 and s["built_now"] == 1 and not any(r["built_now"] for r in s["rows"][:2])
     assert "sensitivity: measured earlier" in p.stdout
     html = (searched["dir"] / "report.html").read_text()
-    assert f"SEARCH ANSWER: {s['answer']}" in html and "VERDICT: FAIL" not in html
+    assert f"SEARCH ANSWER: {s['answer']}" in html  # the banner: the candidates' verdicts are a table here
+    assert "VERDICT: FAIL" not in html and "VERDICT: INCONCLUSIVE" not in html
     chosen = yaml.safe_load(Path(s["reproduce_recipe"]).read_text())
     assert "search" not in chosen and chosen["variants"][0]["scheme"] == "custom"
     assert Path(chosen["variants"][0]["recipe"]).is_file()
