@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from pipeline import console
+
 QUIET_ENV = "QUANTIZE_EVAL_QUIET"
 
 
@@ -82,6 +84,7 @@ class Progress:
         else:
             self.stream.write(head + self.text() + "\n")
             self.lines += 1
+            console.printed()
         self.stream.flush()
 
     def update(self, done: int) -> None:
@@ -90,7 +93,10 @@ class Progress:
             now = self.clock()
             if quiet():
                 return
-            if self.tty or now - self._last >= self.every * 0.95:
+            # on the real clock, silence is the console's (any step's last line, this bar's included), so
+            # consecutive short steps never add up to a long silence; on an injected clock, this bar's own
+            quiet_s = console.silent_for() if self.clock is time.monotonic else now - self._last
+            if self.tty or quiet_s >= self.every * 0.95:
                 self._last = now
                 self._emit()
 

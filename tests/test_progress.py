@@ -110,3 +110,24 @@ def test_a_step_where_nothing_completes_still_gets_its_line(monkeypatch):
     assert 1 <= len(lines) <= 3 and lines[0].endswith("latency 256/64 c=4: 0/24 requests (0%), 0.0/s, ETA –")
     time.sleep(0.3)
     assert out.getvalue().splitlines() == lines  # nothing after the step
+
+
+def test_consecutive_short_steps_never_add_up_to_a_long_silence(monkeypatch):
+    """Each step quieter than a bar's cadence, one after another (a scoring pass, the A/A pass, drift): the
+    console went 15.6 s without a line in a real run. Silence is the console's, so the second bar speaks up
+    as soon as the console has been quiet for the cadence, not a cadence after its own start."""
+    from pipeline import console
+
+    monkeypatch.delenv(progress.QUIET_ENV, raising=False)
+    out = io.StringIO()
+    console.printed()
+    with Progress("first step", 10, "items", "baseline", every=2.0, stream=out):
+        time.sleep(1.5)
+    assert out.getvalue() == ""
+    t0 = time.monotonic()
+    with Progress("second step", 10, "items", "baseline", every=2.0, stream=out):
+        while not out.getvalue() and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+    spoke = time.monotonic() - t0
+    # about 0.5 s (its first tick finds the console quiet for 2 s); by its own cadence it would be 1.9 s
+    assert "second step" in out.getvalue() and spoke < 1.4, spoke
