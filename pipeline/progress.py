@@ -1,4 +1,5 @@
-"""Progress of a long step, as users of these tools expect to see it.
+"""What a run prints: one timestamped line per event (`say`), and the progress of a long step,
+as users of these tools expect to see it.
 
 On a terminal: one line redrawn in place, `done/total`, the rate and the ETA. Elsewhere (CI logs,
 a file): a plain line every `every` seconds, so a log shows the run is alive without a line per
@@ -14,9 +15,26 @@ import threading
 import time
 from collections.abc import Callable
 
-from pipeline import console
-
 QUIET_ENV = "QUANTIZE_EVAL_QUIET"
+
+
+_last_line = [time.monotonic()]  # when the run last printed a line (say, or a progress line)
+
+
+def printed() -> None:
+    _last_line[0] = time.monotonic()
+
+
+def silent_for() -> float:
+    """Seconds since the run's console last got a line: progress bars speak up when it nears their cadence,
+    so consecutive short steps (each quieter than a bar's own 10 s) never add up to a long silence."""
+    return time.monotonic() - _last_line[0]
+
+
+def say(variant: str, msg: str) -> None:
+    """One event of a run, labelled with the variant it concerns."""
+    print(f"[{time.strftime('%H:%M:%S')}] {variant:>14} | {msg}", flush=True)
+    printed()
 
 
 def quiet() -> bool:
@@ -84,7 +102,7 @@ class Progress:
         else:
             self.stream.write(head + self.text() + "\n")
             self.lines += 1
-            console.printed()
+            printed()
         self.stream.flush()
 
     def update(self, done: int) -> None:
@@ -95,7 +113,7 @@ class Progress:
                 return
             # on the real clock, silence is the console's (any step's last line, this bar's included), so
             # consecutive short steps never add up to a long silence; on an injected clock, this bar's own
-            quiet_s = console.silent_for() if self.clock is time.monotonic else now - self._last
+            quiet_s = silent_for() if self.clock is time.monotonic else now - self._last
             if self.tty or quiet_s >= self.every * 0.95:
                 self._last = now
                 self._emit()

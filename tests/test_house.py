@@ -14,7 +14,7 @@ LAYERS = (
     ("pipeline.cli",), ("pipeline.search",), ("pipeline.run",), ("pipeline.stages",),
     ("pipeline.store",), ("pipeline.recipe",), ("pipeline.measure", "pipeline.suites"), ("pipeline.engines",),
     ("pipeline.setup",),
-    ("pipeline.results", "pipeline.progress", "pipeline.runstore", "pipeline.console", "pipeline.schemes",
+    ("pipeline.results", "pipeline.progress", "pipeline.runstore", "pipeline.schemes",
      "pipeline.suitetable"),
 )
 # stage modules each measure one thing; only evaluate.py (one engine start) calls the three

@@ -116,11 +116,9 @@ def test_consecutive_short_steps_never_add_up_to_a_long_silence(monkeypatch):
     """Each step quieter than a bar's cadence, one after another (a scoring pass, the A/A pass, drift): the
     console went 15.6 s without a line in a real run. Silence is the console's, so the second bar speaks up
     as soon as the console has been quiet for the cadence, not a cadence after its own start."""
-    from pipeline import console
-
     monkeypatch.delenv(progress.QUIET_ENV, raising=False)
     out = io.StringIO()
-    console.printed()
+    progress.printed()
     with Progress("first step", 10, "items", "baseline", every=2.0, stream=out):
         time.sleep(1.5)
     assert out.getvalue() == ""

@@ -23,7 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from pipeline.console import say
+from pipeline.progress import say
 from pipeline.run.preflight import PreflightError
 from pipeline.setup import envs
 from pipeline.store import outcome

@@ -23,10 +23,10 @@ import traceback
 from pathlib import Path
 
 from pipeline import schemes
-from pipeline.console import say
 from pipeline.engines import formats, interface
 from pipeline.engines.formats import Decision, Format
 from pipeline.measure import membudget, overhead
+from pipeline.progress import say
 from pipeline.recipe.schema import Recipe
 from pipeline.results import VERDICT_MEANING, BudgetPlan, QualityResult, SystemsResult
 from pipeline.run.preflight import PreflightError, check_ray_address, preflight

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.console import say
 from pipeline.engines.workers.sensitivity_parts import kept_modules
 from pipeline.measure import membudget
+from pipeline.progress import say
 from pipeline.recipe.schema import Recipe, VariantSpec
 from pipeline.run import runner
 from pipeline.runstore import atomic_write_text, hash_obj, run_lock, write_json

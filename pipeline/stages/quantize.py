@@ -15,8 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
-from pipeline.console import say
 from pipeline.engines.workers.quantize_worker import build_recipe
+from pipeline.progress import say
 from pipeline.recipe.files import EXAMPLE
 from pipeline.results import QuantizeResult
 from pipeline.runstore import atomic_dir, hash_obj, read_result, weight_bytes, write_json

@@ -19,10 +19,10 @@ from pathlib import Path
 import yaml
 
 from pipeline import schemes, suites
-from pipeline.console import say
 from pipeline.engines.workers import sensitivity_parts
 from pipeline.engines.workers.quantize_worker import build_recipe
 from pipeline.measure import drift
+from pipeline.progress import say
 from pipeline.recipe.search_section import FALLBACK_BITS
 from pipeline.runstore import hash_obj, sha256_file, write_json
 from pipeline.setup import assets, envs
