@@ -139,7 +139,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(1.0 if self.progress.tty else self.progress.every):
+        while not self._stop.wait(1.0 if self.progress.tty else self.progress.every / 4):
             seen = self.count() if self.count else None
             if seen:
                 self.progress.total, self.progress.unit = seen[1], self.unit

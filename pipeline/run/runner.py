@@ -26,7 +26,7 @@ from pipeline import schemes
 from pipeline.engines import formats, interface
 from pipeline.engines.formats import Decision, Format
 from pipeline.measure import membudget, overhead
-from pipeline.progress import say
+from pipeline.progress import Heartbeat, say
 from pipeline.recipe.schema import Recipe
 from pipeline.results import VERDICT_MEANING, BudgetPlan, QualityResult, SystemsResult
 from pipeline.run.preflight import PreflightError, check_ray_address, preflight
@@ -366,11 +366,15 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
 
 
 def _run(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
-    prepare_environment()
-    check_ray_address(recipe)
-    t_run, t_epoch = time.perf_counter(), time.time()
-    # the lifecycle: start (folder, manifest, INCOMPLETE page) -> plan (the reserve) -> variants -> conclude
-    ctx, manifest = start(recipe, recipe_path, fresh)
+    # on a new machine this fetches the suites' data and the model before the run folder exists: a fresh-home
+    # run sat 30 s without a line here, so it says what it does and ticks while it does it
+    say("run", "preparing: environments, model, data and checks")
+    with Heartbeat("preparing", "run"):
+        prepare_environment()
+        check_ray_address(recipe)
+        t_run, t_epoch = time.perf_counter(), time.time()
+        # the lifecycle: start (folder, manifest, INCOMPLETE page) -> plan (the reserve) -> variants -> conclude
+        ctx, manifest = start(recipe, recipe_path, fresh)
     plan(ctx, recipe_path)
     if recipe.executor.kind == "ray":
         from pipeline.run import ray_executor
