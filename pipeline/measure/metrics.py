@@ -124,8 +124,9 @@ def _latency_ratio(kind: str, pct: str) -> Callable[[Inputs, str], Measured]:
     return read
 
 
-_ONE_START = ("ratio of the repeats' geometric means; each side's repeats ran in one engine start, so the "
-              "interval holds the repeat-to-repeat noise, not the start-to-start spread (workload.engine_starts)")
+_WITHIN_ONE = ("each side's repeats ran in one engine start, so the interval holds the repeat-to-repeat noise, "
+               "not the start-to-start spread (workload.engine_starts)")
+_ONE_START = f"ratio of the repeats' geometric means; {_WITHIN_ONE}"
 _ACROSS = ("ratio over engine starts ({} variant, {} baseline), each start's repeats averaged first: the "
            "start-to-start spread is in the interval")
 
@@ -140,7 +141,7 @@ def _latency_ms(kind: str, pct: str) -> Callable[[Inputs, str], Measured]:
         if len(rv) > 1 and min(rv) > 0:
             gm, lo, hi = stats.mean_ci_log(rv)
             return Measured(value=gm, ci_low=lo, ci_high=hi, interval="repeats", n=len(rv), n_of="workload.repeats",
-                            caveat=_ONE_START.replace("ratio of the repeats'", "the repeats'"))
+                            caveat=f"the repeats' geometric means; {_WITHIN_ONE}")
         return Measured(value=value)
     return read
 

@@ -131,7 +131,7 @@ def n_to_certify(n: int, value: float, bound: float, threshold: float, z_power: 
     half, room = abs(value - bound), abs(value - threshold)
     if n <= 0 or not (value - threshold) * (value - bound) > 0 or room == 0:
         return None
-    if abs(value - bound) <= room:
+    if half <= room:
         return n
     return math.ceil(n * ((half / Z95) * (Z95 + z_power) / room) ** 2)
 

@@ -366,8 +366,8 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
 
 
 def _run(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
-    # on a new machine this fetches the suites' data and the model before the run folder exists: a fresh-home
-    # run sat 30 s without a line here, so it says what it does and ticks while it does it
+    # on a new machine this fetches the suites' data and the model before the run folder exists, which can
+    # take longer than the console may stay silent: say what it does, and tick while it does it
     say("run", "preparing: environments, model, data and checks")
     with Heartbeat("preparing", "run"):
         prepare_environment()

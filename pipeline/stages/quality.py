@@ -66,7 +66,7 @@ def run_quality(server: Engine, model_dir: Path, recipe, variant: str, vdir: Pat
         suites.render(r, tasks_dir, tok, q, limit[r.name])
         by_limit.setdefault(limit[r.name] if r.kind == "user" else None, []).append(r)
     samples, configs, timings = run_lm_eval(server, model_dir, recipe, by_limit, tasks_dir, variant)
-    results = {}
+    results, correct = {}, {}
     samples_dir = vdir / "samples"
     samples_dir.mkdir(parents=True, exist_ok=True)
     utils = suites.utils_module()
@@ -77,9 +77,10 @@ def run_quality(server: Engine, model_dir: Path, recipe, variant: str, vdir: Pat
         atomic_write_text(path, text)
         results[r.name] = suite_quality(r, rows, metric, str(path.relative_to(vdir)),
                                         hashlib.sha256(text.encode()).hexdigest())
+        correct[r.name] = {x["doc_id"]: x["correct"] for x in rows}
     noise = {}
     if variant == "baseline" and q.noise_floor and lm_refs:
-        noise = noise_floor(server, model_dir, recipe, by_limit, tasks_dir, lm_refs, samples_dir, tok, utils, timings)
+        noise = noise_floor(server, model_dir, recipe, by_limit, tasks_dir, lm_refs, correct, tok, utils, timings)
     drift = None
     if any(r.kind == "drift" for r in refs):
         t1 = time.perf_counter()
@@ -102,8 +103,9 @@ AA_CONCURRENT, AA_BATCH = 1, 3  # the A/A pass: another batch composition than a
 
 
 def noise_floor(server: Engine, model_dir: Path, recipe, by_limit: dict, tasks_dir: Path, lm_refs: list,
-                samples_dir: Path, tok, utils, timings: dict) -> dict[str, NoiseFloor]:
-    """The baseline's items again, batched otherwise, compared item by item with the first pass."""
+                first: dict[str, dict[int, int]], tok, utils, timings: dict) -> dict[str, NoiseFloor]:
+    """The baseline's items again, batched otherwise, compared item by item with the first pass (`first`:
+    per suite, doc_id -> correct)."""
     first_pass = (recipe.quality.num_concurrent, recipe.quality.batch_size)
     alt = (4, 5) if first_pass == (AA_CONCURRENT, AA_BATCH) else (AA_CONCURRENT, AA_BATCH)
     how = (f"the same items scored again in the same engine, {alt[0]} request(s) in flight with {alt[1]} prompts "
@@ -112,10 +114,9 @@ def noise_floor(server: Engine, model_dir: Path, recipe, by_limit: dict, tasks_d
     timings.update({f"A/A {k}": v for k, v in t.items()})
     out = {}
     for r in lm_refs:
-        first = {x["doc_id"]: x["correct"] for x in map(json.loads, (samples_dir / f"{r.name}.jsonl").open())}
         again = {x["doc_id"]: x["correct"] for x in score_items(r, samples[r.task], configs.get(r.task, {}), tok,
                                                                  utils)[0]}
-        out[r.name] = aa_flips(first, again, how)
+        out[r.name] = aa_flips(first[r.name], again, how)
     return out
 
 

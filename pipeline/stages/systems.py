@@ -70,16 +70,9 @@ def run_systems(server: Engine, model_dir: Path, recipe, variant: str, input_has
                 kv_bytes_per_elem: int, act_bytes: int, log=print, probe=None, plan=None) -> SystemsResult:
     """Warm-up, the primary cell, the matrix cells, KV capacity, then `probe` (the admission ramp,
     stages/admission.admission_probe, when the recipe asks for it) on the same prompt stream."""
-    from transformers import AutoTokenizer
-
     t0 = time.perf_counter()
     w = recipe.workload
-    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
-    stream = PromptStream(tok)
-    warm = stream.take(w.warmup_requests, w.prompt_tokens)
-    if warm:
-        loadgen.run_closed_loop(server.port, server.served_name, warm, w.output_tokens,
-                                min(w.concurrency, len(warm)), w.request_timeout_s)
+    stream = warmed_stream(server, model_dir, recipe)
     latency = measure_cell(server, stream, w, w.prompt_tokens, w.output_tokens, w.concurrency, "unique", variant)
     cells = [CellResult(cell=c.model_dump(), latency=Latency(**measure_cell(
         server, stream, w, c.prompt_tokens, c.output_tokens, c.concurrency, c.prefix, variant))) for c in w.matrix]
@@ -145,9 +138,8 @@ def loaded_weight_bytes(model_dir: Path, engine_elem_bytes: int) -> int:
     return int(weight_bytes(model_dir) * factor)
 
 
-def restart_repeats(server: Engine, model_dir: Path, recipe, variant: str, start: int) -> list[dict]:
-    """On a further engine start: warm-up, then the primary cell's repeats again, each tagged with the
-    start it ran in (sign-off judges latency across starts from them)."""
+def warmed_stream(server: Engine, model_dir: Path, recipe) -> PromptStream:
+    """A fresh prompt stream for this engine, after the workload's warm-up requests (not measured)."""
     from transformers import AutoTokenizer
 
     w = recipe.workload
@@ -156,6 +148,14 @@ def restart_repeats(server: Engine, model_dir: Path, recipe, variant: str, start
     if warm:
         loadgen.run_closed_loop(server.port, server.served_name, warm, w.output_tokens,
                                 min(w.concurrency, len(warm)), w.request_timeout_s)
+    return stream
+
+
+def restart_repeats(server: Engine, model_dir: Path, recipe, variant: str, start: int) -> list[dict]:
+    """On a further engine start: warm-up, then the primary cell's repeats again, each tagged with the
+    start it ran in (sign-off judges latency across starts from them)."""
+    w = recipe.workload
+    stream = warmed_stream(server, model_dir, recipe)
     one = measure_cell(server, stream, w, w.prompt_tokens, w.output_tokens, w.concurrency, "unique",
                        f"{variant} start {start + 1}/{w.engine_starts}")
     return [{**r, "start": start} for r in one["repeats"]]
