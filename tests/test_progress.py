@@ -114,7 +114,7 @@ def test_a_step_where_nothing_completes_still_gets_its_line(monkeypatch):
 
 def test_consecutive_short_steps_never_add_up_to_a_long_silence(monkeypatch):
     """Each step quieter than a bar's cadence, one after another (a scoring pass, the A/A pass, drift): the
-    console went 15.6 s without a line in a real run. Silence is the console's, so the second bar speaks up
+    console added their silences up past the 15 s a run may stay quiet. Silence is the console's, so the second bar speaks up
     as soon as the console has been quiet for the cadence, not a cadence after its own start."""
     monkeypatch.delenv(progress.QUIET_ENV, raising=False)
     out = io.StringIO()
