@@ -20,6 +20,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results as bench_results  # noqa: E402
+
 WARM = ("envs", "models", "data", "wheels", "support", "imports")  # kept; checkpoints and results start empty
 
 
@@ -77,16 +80,26 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     a = ap.parse_args()
     recipe, runs, cold = a.recipe, a.runs, a.cold
-    results = []
+    results, exits = [], []
     for i in range(runs):
         times, rc = one_run(recipe, cold)
         results.append(times)
+        exits.append(rc)
         print(f"run {i + 1}/{runs} (exit {rc}): " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()), flush=True)
-    print(f"\n== {recipe}, {runs} runs, {'cold result and checkpoint caches' if cold else 'caches as they are'} ==")
+    caches = "cold result and checkpoint caches" if cold else "caches as they are"
+    print(f"\n== {recipe}, {runs} runs, {caches} ==")
     for key in results[0]:
         vals = [r[key] for r in results if key in r]
         print(f"{key:>32}: median {statistics.median(vals):6.0f} s, spread {max(vals) - min(vals):5.0f} s "
               f"({', '.join(f'{v:.0f}' for v in vals)})")
+    stages = "; ".join(f"{k} {statistics.median([r[k] for r in results if k in r]):.0f}"
+                       for k in results[0] if k != "whole run")
+    path = bench_results.append("default_run", "The default run: wall time, whole and per stage",
+                                ["recipe", "caches", "runs", "whole run (s)", "stages, median s", "exit codes"],
+                                [recipe, caches, str(runs), bench_results.spread([r["whole run"] for r in results],
+                                                                                digits=0),
+                                 stages, ", ".join(map(str, exits))])
+    print(f"figures: {path}")
     return 0
 
 

@@ -161,7 +161,7 @@ def test_quality_numbers_are_real(run):
     nf = base["noise_floor"]
     assert set(nf) == {"piqa", "siqa", "asdiv", "needle"} and load(run, "awq", "quality.json")["noise_floor"] == {}
     for suite, x in nf.items():
-        assert x["n"] == base["suites"][suite]["n"] and "1 request(s) in flight with 3 prompts" in x["how"]
+        assert x["n"] == base["suites"][suite]["n"] and "4 request(s) in flight with 3 prompts" in x["how"]
         assert 0 <= x["flips_correct_to_wrong"] + x["flips_wrong_to_correct"] <= x["n"]
     assert "engine vs itself: " in (run["dir"] / "report.html").read_text()
     assert "engine vs itself (A/A): " in run["proc"].stdout

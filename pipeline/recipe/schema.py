@@ -173,7 +173,7 @@ class QualitySpec(Strict):
     bootstrap_samples: int = Field(2000, ge=100, le=100000, description="Paired bootstrap resamples.")
     seed: int = Field(1234, description="Seed for bootstrap resampling.")
     noise_floor: bool = Field(True, description="Score the baseline's items a second time in the same engine with "
-                              "another batch composition (one request in flight, 3 prompts a request) and count the "
+                              "another batch composition (4 requests in flight, 3 prompts a request) and count the "
                               "items the engine flips against itself (A/A), stated beside every variant's flips: "
                               "in bfloat16 batch composition moves numerics. One more scoring pass of the baseline, "
                               "cached with its quality result.")

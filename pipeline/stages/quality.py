@@ -99,7 +99,9 @@ def run_quality(server: Engine, model_dir: Path, recipe, variant: str, vdir: Pat
                                                             "edges " + ", ".join(map(str, suites.BUCKETS))})
 
 
-AA_CONCURRENT, AA_BATCH = 1, 3  # the A/A pass: another batch composition than any recipe's default
+# the A/A pass: another batch composition than the default's 2 x 8 (other prompts share each engine step), with
+# as many requests in flight so the engine is kept as busy as in the first pass
+AA_CONCURRENT, AA_BATCH = 4, 3
 
 
 def noise_floor(server: Engine, model_dir: Path, recipe, by_limit: dict, tasks_dir: Path, lm_refs: list,
@@ -107,7 +109,7 @@ def noise_floor(server: Engine, model_dir: Path, recipe, by_limit: dict, tasks_d
     """The baseline's items again, batched otherwise, compared item by item with the first pass (`first`:
     per suite, doc_id -> correct)."""
     first_pass = (recipe.quality.num_concurrent, recipe.quality.batch_size)
-    alt = (4, 5) if first_pass == (AA_CONCURRENT, AA_BATCH) else (AA_CONCURRENT, AA_BATCH)
+    alt = (2, 5) if first_pass == (AA_CONCURRENT, AA_BATCH) else (AA_CONCURRENT, AA_BATCH)
     how = (f"the same items scored again in the same engine, {alt[0]} request(s) in flight with {alt[1]} prompts "
            f"each (first pass: {first_pass[0]} x {first_pass[1]})")
     samples, configs, t = run_lm_eval(server, model_dir, recipe, by_limit, tasks_dir, "baseline A/A", batching=alt)
