@@ -436,3 +436,22 @@ def test_a_summary_that_fails_leaves_the_answer_banner_saying_so(tmp_path, monke
     assert lad._search(r, tmp_path / "x.yaml", False) == 1
     assert json.loads((root / "search" / "search.json").read_text())["error"].startswith("KeyError")
     assert "SEARCH: NO ANSWER — the search failed: KeyError" in render_run(root).read_text()
+
+
+def test_a_search_says_it_is_preparing_and_ticks_like_a_run(monkeypatch, tmp_path):
+    """A search on a new machine fetches the model and the data before its folder exists, as a run does:
+    it goes through the same preparation step, which says what it does and ticks while it does it."""
+    from pipeline.run import runner
+    from pipeline.search import ladder as ladder_module
+
+    said = []
+    monkeypatch.setattr(runner, "say", lambda who, msg: said.append((who, msg)))
+
+    def stop_here():
+        raise RuntimeError("prepared")
+
+    monkeypatch.setattr(runner, "prepare_environment", stop_here)
+    recipe = load(Path("recipes/search.yaml"))
+    with pytest.raises(RuntimeError, match="prepared"):
+        ladder_module._search(recipe.model_copy(update={"runs_dir": str(tmp_path)}), Path("recipes/search.yaml"), True)
+    assert ("run", "preparing: environments, model, data and checks") in said

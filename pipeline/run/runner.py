@@ -365,16 +365,22 @@ def run(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
         return _run(recipe, recipe_path, fresh)
 
 
-def _run(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
-    # on a new machine this fetches the suites' data and the model before the run folder exists, which can
-    # take longer than the console may stay silent: say what it does, and tick while it does it
+def prepared_start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, dict, float, float]:
+    """Environments, model, data and checks, then `start`: (ctx, manifest, perf_counter and epoch at the start).
+    On a new machine this fetches the suites' data and the model before the run folder exists, which can
+    take longer than the console may stay silent: it says what it does, and ticks while it does it."""
     say("run", "preparing: environments, model, data and checks")
     with Heartbeat("preparing", "run"):
         prepare_environment()
         check_ray_address(recipe)
         t_run, t_epoch = time.perf_counter(), time.time()
-        # the lifecycle: start (folder, manifest, INCOMPLETE page) -> plan (the reserve) -> variants -> conclude
         ctx, manifest = start(recipe, recipe_path, fresh)
+    return ctx, manifest, t_run, t_epoch
+
+
+def _run(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
+    # the lifecycle: start (folder, manifest, INCOMPLETE page) -> plan (the reserve) -> variants -> conclude
+    ctx, manifest, t_run, t_epoch = prepared_start(recipe, recipe_path, fresh)
     plan(ctx, recipe_path)
     if recipe.executor.kind == "ray":
         from pipeline.run import ray_executor

@@ -304,9 +304,7 @@ def search(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
 
 
 def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
-    runner.prepare_environment()
-    t_run, t_epoch = time.perf_counter(), time.time()
-    ctx, manifest = runner.start(recipe, recipe_path, fresh)
+    ctx, manifest, t_run, t_epoch = runner.prepared_start(recipe, recipe_path, fresh)
     runner.plan(ctx, recipe_path)
     timings = runner.run_local(ctx)  # the baseline and the reference variants
     if outcome.read(ctx.run_dir.variant("baseline")).error:
