@@ -24,6 +24,7 @@ import pytest
 from pipeline.engines import formats
 from pipeline.engines.vllm import support
 from pipeline.engines.vllm.server import NUMERICS_ENV
+from pipeline.engines.vllm.server import engine_placement as placement
 from pipeline.setup import assets, envs, host
 from pipeline.store.checkpoints import tensor_table
 from tests import tinymodel
@@ -90,8 +91,9 @@ def produce(tiny: Path, case: str, scheme: str, kv: str) -> Path:
 
 def engine_load(model: Path, kv: str, quant: str, tmp: Path, dtype: str = "float32") -> tuple[dict, str]:
     """tests/engine_load.py in its own process group, reaped whole afterwards (vLLM's EngineCore
-    and Worker must not outlive it, nor hold its output open); with the numerics environment every
-    engine of the product gets."""
+    and Worker must not outlive it, nor hold its output open); with the numerics environment and the
+    process layout every engine of the product gets (on CPU the engine core in this one process, so
+    vLLM is imported once)."""
     out = tmp / f"load-{model.name}-{kv}-{quant}-{dtype}.json"
     log_path = tmp / f"load-{model.name}-{kv}-{quant}-{dtype}.log"
     with open(log_path, "w") as log:
@@ -99,7 +101,7 @@ def engine_load(model: Path, kv: str, quant: str, tmp: Path, dtype: str = "float
                                  "fp8" if kv != "auto" else "auto", quant, str(out), dtype],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_HOST_IP": "127.0.0.1",
-                                     **NUMERICS_ENV})
+                                     **NUMERICS_ENV, **placement()})
         try:
             proc.wait(timeout=600)
         finally:
