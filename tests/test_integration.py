@@ -286,11 +286,15 @@ def test_one_memory_budget_turns_smaller_weights_into_kv_tokens(run):
         assert p["peak_bytes"] <= p["budget_bytes"] + p["tolerance_bytes"], (p["peak_bytes"], figures)
     awq = load(run, "awq", "systems.json")  # emulated here (AVX2 answers): projected, never measured
     assert awq["status"] == "skipped" and awq["kv"]["tokens"] is None and awq["kv"]["plan"]["projected"]
-    assert awq["kv"]["plan"]["tokens"] > base["kv"]["tokens"]
-    # its quality engine served the dense weights with the dense weights' pool, not the projected one
+    # projected figures are compared only with projected ones: the baseline's own prediction, by the same
+    # arithmetic before its engine ran (its engine's measured runtime can differ from the prior either way)
+    assert awq["kv"]["plan"]["tokens"] > b["predicted_tokens"]
+    # its quality engine served the dense weights with the dense weights' pool, sized by the engine under the
+    # budget as the baseline's was (the same weight bytes), not handed the projected pool
     log = (run["dir"] / "awq" / "engine.log").read_text()
     served = int(log.split("KV cache size: ", 1)[1].split(" tokens", 1)[0].replace(",", ""))
-    assert served < awq["kv"]["plan"]["tokens"] and "Auto set (" in log
+    slack = (b["sizing"]["resolution_bytes"] // b["kv_bytes_per_block"] + 1) * base["kv"]["block_size"]
+    assert "Auto set (" in log and "kv_cache_memory_bytes" not in log and abs(served - base["kv"]["tokens"]) <= slack
     gate = next(g for v in load(run, "signoff.json")["variants"] if v["variant"] == "awq" for g in v["gates"]
                 if g["metric"] == "kv_tokens_ratio")
     assert gate["outcome"] == "N/A" and gate["measured"]["value"] is None and "projected" in gate["measured"]["caveat"]
