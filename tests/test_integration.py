@@ -290,10 +290,11 @@ def test_one_memory_budget_turns_smaller_weights_into_kv_tokens(run):
     # arithmetic before its engine ran (its engine's measured runtime can differ from the prior either way)
     assert awq["kv"]["plan"]["tokens"] > b["predicted_tokens"]
     # its quality engine served the dense weights with the dense weights' pool, sized by the engine under the
-    # budget as the baseline's was (the same weight bytes), not handed the projected pool
+    # budget as the baseline's was (the same weight bytes), not handed the projected pool: the two pools differ
+    # only by what each engine's runtime held, which the budget's tolerance bounds
     log = (run["dir"] / "awq" / "engine.log").read_text()
     served = int(log.split("KV cache size: ", 1)[1].split(" tokens", 1)[0].replace(",", ""))
-    slack = (b["sizing"]["resolution_bytes"] // b["kv_bytes_per_block"] + 1) * base["kv"]["block_size"]
+    slack = (b["tolerance_bytes"] // b["kv_bytes_per_block"] + 1) * base["kv"]["block_size"]
     assert "Auto set (" in log and "kv_cache_memory_bytes" not in log and abs(served - base["kv"]["tokens"]) <= slack
     gate = next(g for v in load(run, "signoff.json")["variants"] if v["variant"] == "awq" for g in v["gates"]
                 if g["metric"] == "kv_tokens_ratio")
