@@ -88,12 +88,13 @@ def main() -> int:
         print(f"run {i + 1}/{runs} (exit {rc}): " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()), flush=True)
     caches = "cold result and checkpoint caches" if cold else "caches as they are"
     print(f"\n== {recipe}, {runs} runs, {caches} ==")
+    medians = {}
     for key in results[0]:
         vals = [r[key] for r in results if key in r]
-        print(f"{key:>32}: median {statistics.median(vals):6.0f} s, spread {max(vals) - min(vals):5.0f} s "
+        medians[key] = statistics.median(vals)
+        print(f"{key:>32}: median {medians[key]:6.0f} s, spread {max(vals) - min(vals):5.0f} s "
               f"({', '.join(f'{v:.0f}' for v in vals)})")
-    stages = "; ".join(f"{k} {statistics.median([r[k] for r in results if k in r]):.0f}"
-                       for k in results[0] if k != "whole run")
+    stages = "; ".join(f"{k} {m:.0f}" for k, m in medians.items() if k != "whole run")
     path = bench_results.append("default_run", "The default run: wall time, whole and per stage",
                                 ["recipe", "caches", "runs", "whole run (s)", "stages, median s", "exit codes"],
                                 [recipe, caches, str(runs), bench_results.spread([r["whole run"] for r in results],

@@ -62,17 +62,16 @@ def one_start(model: Path, tmp: Path, fork: bool, i: int) -> dict:
     watcher = threading.Thread(target=_watch, args=(log, t0, seen, stop), daemon=True)
     watcher.start()
     try:
-        with interface.kind("vllm").launch(spec) as eng:
+        with interface.kind("vllm").launch(spec):
             ready = time.perf_counter() - t0
             forked = "QE-ENGINE-CORE-START fork" in log.read_text(errors="replace")
-            start_s = eng.start_s
     finally:
         stop.set()
         watcher.join()
         os.environ.pop("QE_ENGINE_CORE_START")
     if forked != fork:
         raise SystemExit(f"asked for a {'forked' if fork else 'spawned'} engine core, the log says otherwise: {log}")
-    return {"ready": ready, "start_s": start_s, **seen}
+    return {"ready": ready, **seen}
 
 
 def models(names: list[str], tmp: Path) -> dict[str, Path]:

@@ -23,8 +23,7 @@ import pytest
 
 from pipeline.engines import formats
 from pipeline.engines.vllm import support
-from pipeline.engines.vllm.server import NUMERICS_ENV
-from pipeline.engines.vllm.server import engine_placement as placement
+from pipeline.engines.vllm.server import NUMERICS_ENV, engine_env
 from pipeline.setup import assets, envs, host
 from pipeline.store.checkpoints import tensor_table
 from tests import tinymodel
@@ -100,8 +99,7 @@ def engine_load(model: Path, kv: str, quant: str, tmp: Path, dtype: str = "float
         proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "engine_load.py"), str(model),
                                  "fp8" if kv != "auto" else "auto", quant, str(out), dtype],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_HOST_IP": "127.0.0.1",
-                                     **NUMERICS_ENV, **placement()})
+                                env={**engine_env(None, dict(NUMERICS_ENV)), "PYTHONPATH": str(ROOT)})
         try:
             proc.wait(timeout=600)
         finally:
