@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import stat
+import sys
 
 from pipeline.setup import envs, installer
 
@@ -89,3 +90,31 @@ def test_quantize_eval_installer_pip_forces_pip(tmp_path, monkeypatch):
     log = io.StringIO()
     chosen = installer.Installer(tmp_path / "tools", log)
     assert chosen.name == "pip" and "QUANTIZE_EVAL_INSTALLER=pip" in log.getvalue()
+
+
+def test_the_smoke_test_caches_bytecode_even_where_python_is_told_not_to(tmp_path, monkeypatch):
+    """uv does not compile bytecode at install and PYTHONDONTWRITEBYTECODE (set in many container and
+    CI images) stops Python caching it, so without this every engine start compiles vLLM again. An
+    environment built before the smoke test wrote bytecode gets it once, on its next use."""
+    monkeypatch.setenv("QUANTIZE_EVAL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    reqs = tmp_path / "requirements"
+    reqs.mkdir()
+    (reqs / "quantize.txt").write_text("# nothing to install\n")
+    monkeypatch.setattr(envs, "REQUIREMENTS", reqs)
+    pkg = tmp_path / "src"
+    pkg.mkdir()
+    (pkg / "qe_probe_mod.py").write_text("X = 1\n")
+    monkeypatch.setenv("PYTHONPATH", str(pkg))
+    monkeypatch.setitem(envs.SMOKE, "quantize", "import qe_probe_mod")
+    target = envs.env_dir("quantize")
+    (target / "bin").mkdir(parents=True)
+    (target / "bin" / "python").symlink_to(sys.executable)
+    (target / envs.READY).write_text("built before bytecode was cached\n")  # an older environment
+
+    assert envs.ensure("quantize") == target / "bin" / "python"
+
+    assert list((pkg / "__pycache__").glob("qe_probe_mod.*.pyc")), "the smoke test wrote no bytecode"
+    assert (target / envs.BYTECODE).exists()
+    (pkg / "qe_probe_mod.py").unlink()  # a second use does not import again
+    assert envs.ensure("quantize") == target / "bin" / "python"

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from pipeline.engines.interface import EngineError, Launch
-from pipeline.engines.vllm.server import Server
+from pipeline.engines.vllm.server import Server, engine_env
 from pipeline.recipe.schema import EngineSpec
 
 
@@ -221,3 +221,12 @@ def test_cpu_engines_ask_for_a_forked_engine_core(monkeypatch):
     assert server.engine_placement()["QE_ENGINE_CORE_START"] == "spawn"
     monkeypatch.setattr(envs, "has_nvidia_gpu", lambda: True)
     assert "QE_ENGINE_CORE_START" not in server.engine_placement()  # vLLM's defaults on GPUs
+
+
+def test_an_engine_caches_its_bytecode_whatever_the_shell_says(monkeypatch):
+    """Without bytecode a start compiles vLLM's modules again (seconds on every start); the
+    environment is the pipeline's own, so the user's PYTHONDONTWRITEBYTECODE is not handed on."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("QE_SOME_USER_SETTING", "kept")
+    env = engine_env(None)
+    assert "PYTHONDONTWRITEBYTECODE" not in env and env["QE_SOME_USER_SETTING"] == "kept"

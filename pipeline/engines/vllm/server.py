@@ -129,7 +129,7 @@ def numerics_env(compute: str = "") -> dict[str, str]:
 
 
 def engine_env(engine, numerics: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
+    env = envs.writes_bytecode(dict(os.environ))
     # the KV pool comes from --kv-cache-memory-bytes (or vLLM's own sizing on GPUs); VLLM_CPU_KVCACHE_SPACE
     # (whole GiB only) is dropped so the two cannot disagree.
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
