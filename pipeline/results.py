@@ -88,6 +88,8 @@ class NoiseFloor(Model):
     flips_correct_to_wrong: int
     flips_wrong_to_correct: int
     how: str
+    identical: bool | None = Field(None, description="Every item scored again came back with the first pass's "
+                                   "numbers bit for bit (log-likelihoods, or generated text).")
 
     @property
     def flips(self) -> int:

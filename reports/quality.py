@@ -41,7 +41,7 @@ def _failures(s: SuiteQuality) -> str:
 def _aa(nf) -> str:
     """The engine's own flips on this suite (the baseline scored twice, batched otherwise)."""
     return (f"<span class='small muted'>engine vs itself: {nf.flips_correct_to_wrong} / {nf.flips_wrong_to_correct}"
-            f" of {nf.n}</span>") if nf is not None else ""
+            f" of {nf.n}{', bit-identical' if nf.identical else ''}</span>") if nf is not None else ""
 
 
 def _suite_row(name: str, suite: str, s: SuiteQuality, p: PairedSlice | None, nf=None) -> list[str]:
@@ -78,8 +78,8 @@ def quality_section(run: Run) -> str:
             "Delta is variant − baseline on the same items; its 95% CI is "
             "the union of a paired bootstrap and the Agresti–Min interval (the bootstrap alone collapses "
             "to a point when few items flip). Flips: correct→wrong / wrong→correct; beside them, the flips the engine "
-            "makes against itself on the same items (the baseline scored twice in one engine, batched otherwise: "
-            "A/A), so engine noise is not read as a loss; such noise flips both ways, and the paired CI already "
+            "makes against itself on the same items (the baseline's items scored again in one engine, batched "
+            "otherwise: A/A; every item, or the first 50 of each suite where those came back bit-identical), so engine noise is not read as a loss; such noise flips both ways, and the paired CI already "
             "holds it. McNemar: exact two-sided p (Holm-adjusted across every suite and slice of the variant).</p>"
             + table(["variant", "suite", "n", "accuracy [95% CI]", "chance", "Δ vs baseline [95% CI]",
                      "flips c→w / w→c", "McNemar p (Holm)", "failures", ""], rows, left=2))

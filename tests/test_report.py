@@ -184,7 +184,10 @@ def test_the_engines_own_flips_stand_beside_every_variants(run):
     shown on every variant's suite row, so engine noise is not read as quantization's loss."""
     from pipeline.stages.quality import aa_flips
 
-    nf = aa_flips({0: 1, 1: 1, 2: 0, 3: 0, 4: 1}, {0: 0, 1: 1, 2: 1, 3: 0, 9: 1}, "twice")
+    def rows(correct: dict) -> dict:
+        return {i: {"correct": c, "loglikelihoods": [-1.0, -2.0]} for i, c in correct.items()}
+
+    nf = aa_flips(rows({0: 1, 1: 1, 2: 0, 3: 0, 4: 1}), rows({0: 0, 1: 1, 2: 1, 3: 0, 9: 1}), "twice")
     assert (nf.n, nf.flips_correct_to_wrong, nf.flips_wrong_to_correct) == (4, 1, 1)
     path = run / "baseline" / "quality.json"
     q = json.loads(path.read_text())

@@ -175,8 +175,10 @@ class QualitySpec(Strict):
     noise_floor: bool = Field(True, description="Score the baseline's items a second time in the same engine with "
                               "another batch composition (4 requests in flight, 3 prompts a request) and count the "
                               "items the engine flips against itself (A/A), stated beside every variant's flips: "
-                              "in bfloat16 batch composition moves numerics. One more scoring pass of the baseline, "
-                              "cached with its quality result.")
+                              "in bfloat16 batch composition moves numerics. The first 50 items of each suite first: "
+                              "where every number comes back bit-identical (float32 on CPU) no item can flip and "
+                              "the rest are not scored again; otherwise one more scoring pass of every item. "
+                              "Cached with the baseline's quality result.")
 
     @field_validator("suites")
     @classmethod

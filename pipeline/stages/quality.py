@@ -66,7 +66,7 @@ def run_quality(server: Engine, model_dir: Path, recipe, variant: str, vdir: Pat
         suites.render(r, tasks_dir, tok, q, limit[r.name])
         by_limit.setdefault(limit[r.name] if r.kind == "user" else None, []).append(r)
     samples, configs, timings = run_lm_eval(server, model_dir, recipe, by_limit, tasks_dir, variant)
-    results, correct = {}, {}
+    results, first = {}, {}
     samples_dir = vdir / "samples"
     samples_dir.mkdir(parents=True, exist_ok=True)
     utils = suites.utils_module()
@@ -77,10 +77,10 @@ def run_quality(server: Engine, model_dir: Path, recipe, variant: str, vdir: Pat
         atomic_write_text(path, text)
         results[r.name] = suite_quality(r, rows, metric, str(path.relative_to(vdir)),
                                         hashlib.sha256(text.encode()).hexdigest())
-        correct[r.name] = {x["doc_id"]: x["correct"] for x in rows}
+        first[r.name] = {x["doc_id"]: x for x in rows}
     noise = {}
     if variant == "baseline" and q.noise_floor and lm_refs:
-        noise = noise_floor(server, model_dir, recipe, by_limit, tasks_dir, lm_refs, correct, tok, utils, timings)
+        noise = noise_floor(server, model_dir, recipe, by_limit, tasks_dir, lm_refs, first, tok, utils, timings)
     drift = None
     if any(r.kind == "drift" for r in refs):
         t1 = time.perf_counter()
@@ -102,50 +102,77 @@ def run_quality(server: Engine, model_dir: Path, recipe, variant: str, vdir: Pat
 # the A/A pass: another batch composition than the default's 2 x 8 (other prompts share each engine step), with
 # as many requests in flight so the engine is kept as busy as in the first pass
 AA_CONCURRENT, AA_BATCH = 4, 3
+# It scores the first AA_PROBE items of each suite first. An engine whose numbers do not move with batch
+# composition (float32 on CPU: batch-invariant kernels) gives them back bit for bit, and then no item can flip
+# and the rest are not scored again; one number that moved and every item is scored again.
+AA_PROBE = 50
 
 
 def noise_floor(server: Engine, model_dir: Path, recipe, by_limit: dict, tasks_dir: Path, lm_refs: list,
-                first: dict[str, dict[int, int]], tok, utils, timings: dict) -> dict[str, NoiseFloor]:
+                first: dict[str, dict[int, dict]], tok, utils, timings: dict) -> dict[str, NoiseFloor]:
     """The baseline's items again, batched otherwise, compared item by item with the first pass (`first`:
-    per suite, doc_id -> correct)."""
+    per suite, doc_id -> its row)."""
     first_pass = (recipe.quality.num_concurrent, recipe.quality.batch_size)
     alt = (2, 5) if first_pass == (AA_CONCURRENT, AA_BATCH) else (AA_CONCURRENT, AA_BATCH)
-    how = (f"the same items scored again in the same engine, {alt[0]} request(s) in flight with {alt[1]} prompts "
+    how = (f"scored again in the same engine, {alt[0]} request(s) in flight with {alt[1]} prompts "
            f"each (first pass: {first_pass[0]} x {first_pass[1]})")
-    samples, configs, t = run_lm_eval(server, model_dir, recipe, by_limit, tasks_dir, "baseline A/A", batching=alt)
-    timings.update({f"A/A {k}": v for k, v in t.items()})
-    out = {}
-    for r in lm_refs:
-        again = {x["doc_id"]: x["correct"] for x in score_items(r, samples[r.task], configs.get(r.task, {}), tok,
-                                                                 utils)[0]}
-        out[r.name] = aa_flips(first[r.name], again, how)
-    return out
+
+    def again(limit: int | None, label: str) -> dict[str, dict[int, dict]]:
+        samples, configs, t = run_lm_eval(server, model_dir, recipe, by_limit, tasks_dir, label, batching=alt,
+                                          limit=limit)
+        timings.update({f"{label} {k}": v for k, v in t.items()})
+        return {r.name: {x["doc_id"]: x for x in score_items(r, samples[r.task], configs.get(r.task, {}), tok,
+                                                              utils)[0]} for r in lm_refs}
+
+    probe = again(AA_PROBE, "baseline A/A")
+    if all(bit_identical(first[r.name], probe[r.name]) for r in lm_refs):
+        return {r.name: aa_flips(first[r.name], probe[r.name],
+                                 f"the first {len(probe[r.name])} items {how}: every number came back bit-identical, "
+                                 "so batch composition does not move this engine's numbers and no item can flip; "
+                                 "the other items were not scored again", identical=True) for r in lm_refs}
+    covered = all(set(probe[r.name]) >= set(first[r.name]) for r in lm_refs)  # suites of AA_PROBE items or fewer
+    full = probe if covered else again(None, "baseline A/A, every item")
+    return {r.name: aa_flips(first[r.name], full[r.name], f"every item {how}") for r in lm_refs}
 
 
-def aa_flips(first: dict[int, int], again: dict[int, int], how: str) -> NoiseFloor:
-    """Items (doc_id -> correct) of two passes of one engine: the flips between them, both ways."""
+def _numbers(row: dict):
+    """What the engine computed for an item: its choices' log-likelihoods, or its generated text."""
+    return row.get("loglikelihoods", row.get("output"))
+
+
+def bit_identical(first: dict[int, dict], again: dict[int, dict]) -> bool:
+    """Every item scored again (doc_id -> row) came back with exactly the first pass's numbers."""
+    return bool(again) and all(i in first and _numbers(first[i]) == _numbers(row) for i, row in again.items())
+
+
+def aa_flips(first: dict[int, dict], again: dict[int, dict], how: str, identical: bool | None = None) -> NoiseFloor:
+    """Items (doc_id -> row) of two passes of one engine: the flips between them, both ways."""
     ids = sorted(set(first) & set(again))
-    return NoiseFloor(n=len(ids), how=how, flips_correct_to_wrong=sum(1 for i in ids if first[i] and not again[i]),
-                      flips_wrong_to_correct=sum(1 for i in ids if again[i] and not first[i]))
+    if identical is None:
+        identical = all(_numbers(first[i]) == _numbers(again[i]) for i in ids)
+    return NoiseFloor(n=len(ids), how=how, identical=identical,
+                      flips_correct_to_wrong=sum(1 for i in ids if first[i]["correct"] and not again[i]["correct"]),
+                      flips_wrong_to_correct=sum(1 for i in ids if again[i]["correct"] and not first[i]["correct"]))
 
 
-def expected_prompts(tasks_dir: Path, group: list) -> int | None:
+def expected_prompts(tasks_dir: Path, group: list, limit: int | None = None) -> int | None:
     """Prompts the engine will score for these suites (a continuation per choice, one generation per
-    item); None when a user's task is among them (its items are lm-eval's to count)."""
+    item) of their first `limit` items; None when a user's task is among them (lm-eval's to count)."""
     total = 0
     for r in group:
         data = tasks_dir / f"qe_{r.name}.jsonl"
         if r.kind == "user" or not data.exists():
             return None
-        rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()][:limit]
         total += sum(len(x.get("choices") or [None]) if r.kind == "mc" else 1 for x in rows)
     return total
 
 
 def run_lm_eval(server: Engine, model_dir: Path, recipe, by_limit: dict, tasks_dir: Path, label: str,
-                batching: tuple[int, int] | None = None):
+                batching: tuple[int, int] | None = None, limit: int | None = None):
     """One lm-eval call per distinct limit; progress from the engine's own count of finished requests.
-    `batching`: (requests in flight, prompts a request) instead of the recipe's."""
+    `batching`: (requests in flight, prompts a request) instead of the recipe's; `limit`: only the first
+    items of every suite (the A/A probe)."""
     import threading
 
     import lm_eval
@@ -163,8 +190,10 @@ def run_lm_eval(server: Engine, model_dir: Path, recipe, by_limit: dict, tasks_d
     if batching:
         model_args.update(num_concurrent=batching[0], batch_size=batching[1])
     for lim, group in by_limit.items():
+        if limit is not None:
+            lim = limit if lim is None else min(lim, limit)
         t1, done = time.perf_counter(), threading.Event()
-        bar = Progress("quality: " + ", ".join(r.name for r in group), expected_prompts(tasks_dir, group),
+        bar = Progress("quality: " + ", ".join(r.name for r in group), expected_prompts(tasks_dir, group, lim),
                        "prompts scored", label)
         start = server.gauges()["finished"]
 
@@ -315,7 +344,9 @@ def run_drift(server: Engine, tok, spec, vdir: Path, label: str = "") -> DriftQu
 def summary(q: QualityResult) -> str:
     """The stage's console line."""
     aa = (f"engine vs itself (A/A): {sum(x.flips for x in q.noise_floor.values())} of "
-          f"{sum(x.n for x in q.noise_floor.values())} items flipped") if q.noise_floor else ""
+          f"{sum(x.n for x in q.noise_floor.values())} items flipped"
+          + (", every number bit-identical" if all(x.identical for x in q.noise_floor.values()) else "")
+          ) if q.noise_floor else ""
     return ", ".join([f"{s} {r.accuracy:.3f} (n={r.n})" for s, r in q.suites.items()]
                      + ([f"drift PPL {q.drift.perplexity:.2f} ({q.drift.tokens} tokens)"] if q.drift else [])
                      + ([aa] if aa else []))

@@ -1,0 +1,66 @@
+"""The A/A pass: the first items of each suite scored again under another batching, and every item only
+when a number moved (pipeline/stages/quality.py, noise_floor)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from pipeline.stages import quality
+
+SUITES = [SimpleNamespace(name="piqa", task="qe_piqa"), SimpleNamespace(name="asdiv", task="qe_asdiv")]
+RECIPE = SimpleNamespace(quality=SimpleNamespace(num_concurrent=2, batch_size=8))
+
+
+def first_pass() -> dict:
+    piqa = {i: {"doc_id": i, "correct": i % 2, "loglikelihoods": [-1.0 - i, -2.0]} for i in range(120)}
+    asdiv = {i: {"doc_id": i, "correct": 1, "output": f"{i}"} for i in range(80)}
+    return {"piqa": piqa, "asdiv": asdiv}
+
+
+def run_noise_floor(monkeypatch, moved: dict) -> tuple[dict, list]:
+    """noise_floor against a stand-in for lm-eval whose second pass returns the first pass's rows, with
+    `moved` (suite -> {doc_id: row changes}) applied."""
+    first, calls = first_pass(), []
+
+    def fake_lm_eval(server, model_dir, recipe, by_limit, tasks_dir, label, batching=None, limit=None):
+        calls.append((label, batching, limit))
+        return {r.task: r.name for r in SUITES}, {}, {}
+
+    def fake_score(suite, samples, config, tok, utils):
+        limit = calls[-1][2]
+        rows = [{**row, **moved.get(suite.name, {}).get(i, {})} for i, row in first[suite.name].items()]
+        return rows[:limit], "acc_norm"
+
+    monkeypatch.setattr(quality, "run_lm_eval", fake_lm_eval)
+    monkeypatch.setattr(quality, "score_items", fake_score)
+    out = quality.noise_floor(None, None, RECIPE, {None: SUITES}, None, SUITES, first, None, None, {})
+    return out, calls
+
+
+def test_an_engine_that_gives_the_same_numbers_back_is_not_scored_twice(monkeypatch):
+    """float32 on CPU: the probe's numbers come back bit for bit, so no item can flip and the other
+    items are not scored again; what was scored is the n the report shows."""
+    out, calls = run_noise_floor(monkeypatch, {})
+    assert calls == [("baseline A/A", (4, 3), quality.AA_PROBE)]
+    assert {k: (v.n, v.flips, v.identical) for k, v in out.items()} == {"piqa": (50, 0, True), "asdiv": (50, 0, True)}
+    assert "bit-identical" in out["piqa"].how and "not scored again" in out["piqa"].how
+
+
+def test_one_number_that_moved_scores_every_item_again(monkeypatch):
+    """One log-likelihood (or one generated text) that differs in the probe, even without a flip, and the
+    whole suite set is scored again; the flips are counted on every item."""
+    moved = {"piqa": {3: {"loglikelihoods": [-4.0000001, -2.0]}, 101: {"correct": 0, "loglikelihoods": [-9.0, -2.0]}}}
+    out, calls = run_noise_floor(monkeypatch, moved)
+    assert [c[2] for c in calls] == [quality.AA_PROBE, None]
+    assert (out["piqa"].n, out["piqa"].flips_correct_to_wrong, out["piqa"].identical) == (120, 1, False)
+    assert (out["asdiv"].n, out["asdiv"].identical) == (80, True)
+    assert out["piqa"].how.startswith("every item")
+    out, calls = run_noise_floor(monkeypatch, {"asdiv": {7: {"output": "8"}}})
+    assert len(calls) == 2 and out["asdiv"].identical is False
+
+
+def test_a_probe_that_held_every_item_is_the_whole_pass(monkeypatch):
+    monkeypatch.setattr(quality, "AA_PROBE", 500)
+    out, calls = run_noise_floor(monkeypatch, {"piqa": {3: {"loglikelihoods": [-4.5, -2.0]}}})
+    assert len(calls) == 1 and (out["piqa"].n, out["piqa"].identical) == (120, False)
+    assert out["piqa"].how.startswith("every item")
