@@ -1,10 +1,13 @@
 """Wall time of the default run and of each of its stages, as the median and spread of several runs.
 
-    python3 benchmarks/default_run.py [RECIPE] [--cold] [--runs N]      (default: recipes/awq.yaml, 3 runs)
+    python3 benchmarks/default_run.py [RECIPE] [--cold | --first-use] [--runs N]   (recipes/awq.yaml, 3 runs)
 
 Runs `./quantize-eval RECIPE --fresh` N times as a user would. --cold gives every run a temporary
 cache home whose environments, converted models, data and support answers are this machine's (linked,
 warm) while its result and checkpoint caches are empty: each run quantizes and measures everything.
+--first-use gives every run a fresh clone of this repository's HEAD and an empty home (the pipeline's
+cache, pip's, uv's, XDG's): the run builds both environments, converts the model and fetches the data
+first, as a new user's first `./quantize-eval` does.
 Prints each run's figures and, per figure, the median and the spread (max - min) over the runs.
 """
 
@@ -56,11 +59,18 @@ def stage_times(run_dir: Path, wall: float) -> dict[str, float]:
     return out
 
 
-def one_run(recipe: str, cold: bool) -> tuple[dict[str, float], int]:
+def one_run(recipe: str, cold: bool, first_use: bool = False) -> tuple[dict[str, float], int]:
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, **({"QUANTIZE_EVAL_HOME": str(cold_home(Path(tmp)))} if cold else {})}
+        env, repo = dict(os.environ), ROOT
+        if cold:
+            env["QUANTIZE_EVAL_HOME"] = str(cold_home(Path(tmp)))
+        if first_use:
+            repo = Path(tmp) / "clone"
+            subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
+            env.update({k: str(Path(tmp) / k.lower()) for k in ("QUANTIZE_EVAL_HOME", "PIP_CACHE_DIR",
+                                                                 "UV_CACHE_DIR", "XDG_CACHE_HOME")})
         t0 = time.perf_counter()
-        proc = subprocess.run([str(ROOT / "quantize-eval"), recipe, "--fresh", "--quiet"], cwd=ROOT, env=env,
+        proc = subprocess.run([str(repo / "quantize-eval"), recipe, "--fresh", "--quiet"], cwd=repo, env=env,
                               capture_output=True, text=True)
         wall = time.perf_counter() - t0
         report = next((ln.split(":", 1)[1].strip() for ln in proc.stdout.splitlines() if ln.startswith("report:")),
@@ -77,16 +87,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("recipe", nargs="?", default="recipes/awq.yaml")
     ap.add_argument("--cold", action="store_true", help="empty result and checkpoint caches for every run")
+    ap.add_argument("--first-use", action="store_true", help="a fresh clone and an empty home for every run")
     ap.add_argument("--runs", type=int, default=3)
     a = ap.parse_args()
     recipe, runs, cold = a.recipe, a.runs, a.cold
+    if cold and a.first_use:
+        ap.error("--cold and --first-use are two different starting points: choose one")
     results, exits = [], []
     for i in range(runs):
-        times, rc = one_run(recipe, cold)
+        times, rc = one_run(recipe, cold, a.first_use)
         results.append(times)
         exits.append(rc)
         print(f"run {i + 1}/{runs} (exit {rc}): " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()), flush=True)
-    caches = "cold result and checkpoint caches" if cold else "caches as they are"
+    caches = ("first use: fresh clone, empty home" if a.first_use else
+              "cold result and checkpoint caches" if cold else "caches as they are")
     print(f"\n== {recipe}, {runs} runs, {caches} ==")
     medians = {}
     for key in results[0]:

@@ -6,8 +6,9 @@
 Each run gets a new temporary home (QUANTIZE_EVAL_HOME, HOME's caches, PIP_CACHE_DIR, UV_CACHE_DIR),
 so nothing downloaded by an earlier run helps a later one; the wheels this machine keeps on disk
 (/opt/wheels, pip's find-links here) are what any fresh machine of this kind has too. Prints each
-run's wall time to both environments ready, then the median and spread (max - min). With `both`
-the installers alternate run by run, so drift in the machine's speed falls on both alike.
+run's wall time to both environments ready, then the median and spread (max - min), also into
+benchmarks/results/setup.md. With `both` the installers alternate run by run, so drift in the
+machine's speed falls on both alike.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results  # noqa: E402
 
 
 def cpu_name() -> str:
@@ -79,6 +82,9 @@ def main() -> None:
     for inst, w in walls.items():
         print(f"setup with {inst}: median {statistics.median(w):6.1f} s, spread {max(w) - min(w):5.1f} s "
               f"({', '.join(f'{x:.1f}' for x in w)})  target <= 180 s")
+        path = results.append("setup", "First-use setup: both environments built on an empty home",
+                              ["installer", "runs", "both ready (s)"], [inst, str(len(w)), results.spread(w)])
+        print(f"figures: {path}")
 
 
 if __name__ == "__main__":
