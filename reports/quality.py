@@ -79,7 +79,8 @@ def quality_section(run: Run) -> str:
             "the union of a paired bootstrap and the Agresti–Min interval (the bootstrap alone collapses "
             "to a point when few items flip). Flips: correct→wrong / wrong→correct; beside them, the flips the engine "
             "makes against itself on the same items (the baseline's items scored again in one engine, batched "
-            "otherwise: A/A; every item, or the first 50 of each suite where those came back bit-identical), so engine noise is not read as a loss; such noise flips both ways, and the paired CI already "
+            "otherwise: A/A; every item, or the first 50 of each suite where those came back bit-identical), "
+            "so engine noise is not read as a loss; such noise flips both ways, and the paired CI already "
             "holds it. McNemar: exact two-sided p (Holm-adjusted across every suite and slice of the variant).</p>"
             + table(["variant", "suite", "n", "accuracy [95% CI]", "chance", "Δ vs baseline [95% CI]",
                      "flips c→w / w→c", "McNemar p (Holm)", "failures", ""], rows, left=2))

@@ -101,12 +101,9 @@ def writes_bytecode(env: dict[str, str]) -> dict[str, str]:
 
 def _smoke(kind: str, target: Path, log) -> None:
     """Import what the environment's processes import, writing their bytecode (see SMOKE)."""
-    cmd = [str(target / "bin" / "python"), "-c", SMOKE[kind]]
-    log.write("$ " + " ".join(cmd) + "\n")
-    log.flush()
-    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=writes_bytecode(dict(os.environ)))
-    if proc.returncode != 0:
-        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}")
+    from pipeline.setup.installer import run_logged
+
+    run_logged([str(target / "bin" / "python"), "-c", SMOKE[kind]], log, writes_bytecode(dict(os.environ)))
     (target / BYTECODE).touch()
 
 

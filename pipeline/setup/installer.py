@@ -126,11 +126,7 @@ class Installer:
         return proc.stdout if proc.returncode == 0 else None
 
     def run(self, cmd: list[str], env: dict | None = None) -> None:
-        self._say("$ " + " ".join(cmd))
-        proc = subprocess.run(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                              env={**os.environ, **(env or {})})
-        if proc.returncode != 0:
-            raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}")
+        run_logged(cmd, self.log, {**os.environ, **(env or {})})
 
     def _uv(self, *args: str) -> None:
         self.run([self.uv, *args], env={**self.uv_env, "UV_PYTHON_DOWNLOADS": "never",
@@ -157,6 +153,15 @@ class Installer:
             self._uv("pip", "uninstall", "--no-config", "--python", py, *names)
         else:
             self.run([py, "-m", "pip", "uninstall", "-y", *names])
+
+
+def run_logged(cmd: list[str], log, env: dict[str, str]) -> None:
+    """`cmd` under exactly `env`, the command line and its output into `log`; RuntimeError if it fails."""
+    log.write("$ " + " ".join(cmd) + "\n")
+    log.flush()
+    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}")
 
 
 def bootstrap_uv(tools: Path, log) -> tuple[str | None, str]:

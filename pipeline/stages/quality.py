@@ -129,7 +129,7 @@ def noise_floor(server: Engine, model_dir: Path, recipe, by_limit: dict, tasks_d
         return {r.name: aa_flips(first[r.name], probe[r.name],
                                  f"the first {len(probe[r.name])} items {how}: every number came back bit-identical, "
                                  "so batch composition does not move this engine's numbers and no item can flip; "
-                                 "the other items were not scored again", identical=True) for r in lm_refs}
+                                 "the other items were not scored again") for r in lm_refs}
     covered = all(set(probe[r.name]) >= set(first[r.name]) for r in lm_refs)  # suites of AA_PROBE items or fewer
     full = probe if covered else again(None, "baseline A/A, every item")
     return {r.name: aa_flips(first[r.name], full[r.name], f"every item {how}") for r in lm_refs}
@@ -145,12 +145,10 @@ def bit_identical(first: dict[int, dict], again: dict[int, dict]) -> bool:
     return bool(again) and all(i in first and _numbers(first[i]) == _numbers(row) for i, row in again.items())
 
 
-def aa_flips(first: dict[int, dict], again: dict[int, dict], how: str, identical: bool | None = None) -> NoiseFloor:
+def aa_flips(first: dict[int, dict], again: dict[int, dict], how: str) -> NoiseFloor:
     """Items (doc_id -> row) of two passes of one engine: the flips between them, both ways."""
     ids = sorted(set(first) & set(again))
-    if identical is None:
-        identical = all(_numbers(first[i]) == _numbers(again[i]) for i in ids)
-    return NoiseFloor(n=len(ids), how=how, identical=identical,
+    return NoiseFloor(n=len(ids), how=how, identical=bit_identical(first, again),
                       flips_correct_to_wrong=sum(1 for i in ids if first[i]["correct"] and not again[i]["correct"]),
                       flips_wrong_to_correct=sum(1 for i in ids if again[i]["correct"] and not first[i]["correct"]))
 
