@@ -147,23 +147,32 @@ def test_a_helper_that_exited_is_not_summed_with_what_came_after(tmp_path):
     """vLLM inspects a model's class in a subprocess that imports torch and exits before the engine loads;
     its high-water mark was never resident beside the engine's, so the tree's peak must not add the two
     (summing every mark ever seen put a baseline over its budget on the AVX2 kind)."""
-    helper = "x = bytearray(300 * 2**20); import time; time.sleep(1.5)"
-    engine = ("x = bytearray(200 * 2**20); import time; time.sleep(30)")
+    # Each process says when it holds its memory (a file), and the helper waits to be told to exit: on a
+    # loaded host a fixed sleep sampled the helper before it had touched all of its pages.
+    helper_ready, helper_go, engine_ready = (tmp_path / n for n in ("helper", "go", "engine"))
+    helper = (f"import pathlib, time; x = bytearray(300 * 2**20); pathlib.Path({str(helper_ready)!r}).touch()\n"
+              f"while not pathlib.Path({str(helper_go)!r}).exists(): time.sleep(0.05)")
+    engine = (f"import pathlib, time; x = bytearray(200 * 2**20); pathlib.Path({str(engine_ready)!r}).touch()\n"
+              "time.sleep(60)")
     root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
                              f"subprocess.run([sys.executable, '-c', {helper!r}]); "
                              f"subprocess.run([sys.executable, '-c', {engine!r}])"])
+
+    def wait_for(path):
+        for _ in range(1200):
+            if path.exists():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{path.name} never held its memory")
+
     try:
         m = MemorySampler(root.pid, interval=3600, _gpu=False)  # samples only when told
-        time.sleep(1.0)
+        wait_for(helper_ready)
         m._sample()  # the helper alone, at its peak
         helper_peak = m.peak_tree_hwm
         assert helper_peak >= 300 * 2**20
-        for _ in range(100):  # until the second process holds its 200 MiB
-            time.sleep(0.1)
-            kids = psutil.Process(root.pid).children()
-            if kids and "200" in " ".join(kids[0].cmdline()):
-                time.sleep(0.5)
-                break
+        helper_go.touch()
+        wait_for(engine_ready)
         m._sample()
         m.stop()
         assert m.peak_tree_hwm < helper_peak + 150 * 2**20, (m.peak_tree_hwm, helper_peak)
