@@ -60,7 +60,10 @@ def rows(run: Path) -> list[list[str]]:
         piqa = (q.get("suites") or {}).get("piqa") or {}
         served = "yes" if lat.get("completed") else ("quality only" if q.get("status") == "ok" else "no")
         compute = f"{sup['compute']} ({sup.get('activations')})" if sup.get("compute") else "–"
-        out.append([name, mode, compute, "FAILED: " + err[:120] if err else served,
+        a = v.get("agreement") or {}
+        agrees = ("NO" if a.get("flagged") else "yes") + f" ({a.get('reason', '')[:60]})" if a.get("status") == "ok" \
+            else (f"{a['status']}: {str(a.get('error'))[:60]}" if a else "–")
+        out.append([name, mode, compute, "FAILED: " + err[:120] if err else served, agrees,
                     f"{lat['output_tok_per_s']:.1f}" if lat.get("output_tok_per_s") else "–",
                     str((s.get("kv") or {}).get("tokens") or "–"),
                     f"{piqa['accuracy']:.3f}" if piqa else "–",
@@ -87,8 +90,8 @@ def main() -> int:
             f"engine dtype {manifest['engine_dtype']}\n\n"
             f"`python3 benchmarks/hardware_matrix.py`, {wall:.0f} s wall, exit {proc.returncode}. "
             "PIQA 50 items (±0.13 at 95%: tells broken from working, not small differences).\n\n"
-            "| variant | here | computed as | served | output tok/s | KV tokens | PIQA acc | engine support says |\n"
-            "|---|---|---|---|---|---|---|---|\n")
+            "| variant | here | computed as | served | second engine agrees | output tok/s | KV tokens | PIQA acc "
+            "| engine support says |\n|---|---|---|---|---|---|---|---|---|\n")
     text = head + "".join("| " + " | ".join(r) + " |\n" for r in table)
     print(text)
     if write:

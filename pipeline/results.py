@@ -96,6 +96,31 @@ class NoiseFloor(Model):
         return self.flips_correct_to_wrong + self.flips_wrong_to_correct
 
 
+class SuiteAgreement(Model):
+    """One suite's sampled items scored by both engines, compared item by item."""
+    n: int
+    same_answer: int = Field(description="Items whose chosen answer (multiple choice) or generated text agree.")
+    max_rel_diff: float | None = Field(None, description="Largest |LL_engine - LL_reference| / max(1, |LL_engine|) "
+                                       "over every choice of every item (multiple choice only).")
+    median_rel_diff: float | None = None
+    worst_doc_id: int | None = None
+
+
+class AgreementResult(StageResult):
+    """A sample of every suite's items scored again by the reference engine (pipeline/engines/transformers),
+    loading the checkpoint the variant was built as, and compared with what the serving engine answered."""
+    stage: Literal["agreement"] = "agreement"
+    reference: str = ""
+    loaded: str = Field("", description="What the reference engine loaded.")
+    dtype: str = ""
+    sample: int = 0
+    tolerance_rel: float | None = Field(None, description="The largest relative log-likelihood difference the "
+                                        "engine dtype explains; above it the engines disagree.")
+    suites: dict[str, SuiteAgreement] = Field(default_factory=dict)
+    flagged: bool = False
+    reason: str = ""
+
+
 class QualityResult(StageResult):
     stage: Literal["quality"] = "quality"
     suites: dict[str, SuiteQuality] = Field(default_factory=dict)

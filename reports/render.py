@@ -54,7 +54,7 @@ def collect(run_dir: Path) -> dict:
     for name in names:
         vdir = run_dir / name
         variants[name] = {stage: _load(vdir / f"{stage}.json")
-                          for stage in ("quantize", "quality", "systems", "error", "support",
+                          for stage in ("quantize", "quality", "systems", "error", "support", "agreement",
                                         "quality.origin", "systems.origin")}
     out = {"schema_version": 1, "manifest": manifest, "signoff": signoff, "variants": variants}
     search = _load(run_dir / "search" / "search.json")

@@ -30,14 +30,16 @@ def verdict_section(run: Run) -> str:
                 '</div>' + (f"<p>Stages without a result yet: {escape(', '.join(missing))}.</p>" if missing else ""))
     rec = (f" — recommended: <b>{escape(so.recommended)}</b> "
            f"<span class='small'>({escape(so.recommendation_rule)})</span>") if so.recommended else ""
-    rows = [[escape(v.variant), escape(_computed(run, v.variant)), tag(v.verdict), escape(v.reason or
-             ", ".join(f"{g.metric}[{g.scope}] {g.outcome}" for g in v.gates) or "no gates")]
+    rows = [[escape(v.variant), escape(_computed(run, v.variant)), _agreement(run, v.variant), tag(v.verdict),
+             escape(v.reason or ", ".join(f"{g.metric}[{g.scope}] {g.outcome}" for g in v.gates) or "no gates")]
             for v in so.variants]
-    head = ["variant", "computed as", "verdict", "why"]
+    head = ["variant", "computed as", "second engine agrees", "verdict", "why"]
     if run.search:  # the search's answer is the banner; this is every candidate's own sign-off
-        return "<h2>Sign-off of every candidate and reference</h2>" + table(head, rows, left=4)
+        return "<h2>Sign-off of every candidate and reference</h2>" + table(head, rows, left=5)
+    base = (f"<p class='small'>The baseline, served by the same engine — second engine agrees: "
+            f"{_agreement(run, 'baseline')}</p>") if "baseline" in run.variants else ""
     return (f'<div class="banner {escape(so.verdict)}">VERDICT: {escape(so.verdict)}{rec}{_why(so)}</div>'
-            + table(head, rows, left=4))
+            + table(head, rows, left=5) + base)
 
 
 def _why(so) -> str:
@@ -53,6 +55,18 @@ def _computed(run: Run, name: str) -> str:
     """The precision the engine really computed the variant in (support.json; the schemes table has why)."""
     sup = (run.variants[name].support if name in run.variants else None) or {}
     return f"{sup['compute']} × {sup.get('activations')}" if sup.get("compute") else "–"
+
+
+def _agreement(run: Run, name: str) -> str:
+    """The engine-agreement check (pipeline/stages/agreement.py) in one cell: a disagreement stands out."""
+    a = run.variants[name].agreement if name in run.variants else None
+    if a is None:
+        return "not checked"
+    if a.status != "ok":
+        return escape(f"{'not checked' if a.status == 'skipped' else 'check FAILED'}: {a.error}")
+    n, same = sum(s.n for s in a.suites.values()), sum(s.same_answer for s in a.suites.values())
+    figures = escape(f"{same}/{n} same answers ({a.reference}, {a.dtype}); {a.reason}")
+    return (f"<b class='FAIL'>NO</b> — {figures}" if a.flagged else f"yes — {figures}")
 
 
 def gates_section(run: Run) -> str:

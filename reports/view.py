@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from pipeline.results import KVCapacity, PairedSlice, QualityResult, QuantizeResult, Signoff, SystemsResult
+from pipeline.results import AgreementResult, KVCapacity, PairedSlice, QualityResult, QuantizeResult, Signoff, SystemsResult
 
 M = typing.TypeVar("M", bound=BaseModel)
 
@@ -35,6 +35,7 @@ class Variant:
     systems: SystemsResult | None = None
     error: dict | None = None
     support: dict | None = None
+    agreement: AgreementResult | None = None  # the engine-agreement check (pipeline/stages/agreement.py)
     origins: dict[str, dict] = field(default_factory=dict)  # stage -> where a reused result was measured
 
     @property
@@ -66,7 +67,7 @@ def read_run(data: dict, run_dir: Path | None = None) -> Run:
         variants[name] = Variant(
             name, quantize=validated(QuantizeResult, r.get("quantize")),
             quality=validated(QualityResult, r.get("quality")), systems=validated(SystemsResult, r.get("systems")),
-            error=r.get("error"), support=r.get("support"),
+            error=r.get("error"), support=r.get("support"), agreement=validated(AgreementResult, r.get("agreement")),
             origins={stage: r[f"{stage}.origin"] for stage in ("quality", "systems") if r.get(f"{stage}.origin")})
     return Run(data["manifest"], validated(Signoff, data.get("signoff")), variants, run_dir, data.get("search"))
 

@@ -19,8 +19,9 @@ LAYERS = (
 )
 # stage modules each measure one thing; only evaluate.py (one engine start) calls the three
 # that share its engine
-STAGES = {"quantize", "quality", "systems", "admission", "signoff", "evaluate", "sensitivity"}
-MAY_CALL = {"evaluate": {"quality", "systems", "admission"}}
+STAGES = {"quantize", "quality", "systems", "admission", "signoff", "evaluate", "sensitivity", "agreement"}
+# the agreement check scores the reference engine the way quality scores the serving one
+MAY_CALL = {"evaluate": {"quality", "systems", "admission"}, "agreement": {"quality"}}
 
 
 def sources() -> dict[str, Path]:

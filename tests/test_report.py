@@ -195,3 +195,24 @@ def test_the_engines_own_flips_stand_beside_every_variants(run):
     path.write_text(json.dumps(q))
     html = render_run(run).read_text()
     assert html.count("engine vs itself: 2 / 3 of 100") == 2  # the baseline's row and v4's
+
+
+def test_the_first_table_says_whether_the_second_engine_agrees(run):
+    from pipeline.results import AgreementResult, SuiteAgreement
+
+    def agreement(flagged: bool, reason: str) -> AgreementResult:
+        return AgreementResult(variant="v4", input_hash="a", status="ok", duration_s=1.0, reference="transformers",
+                               dtype="float32", sample=20, tolerance_rel=1e-3, flagged=flagged, reason=reason,
+                               suites={"piqa": SuiteAgreement(n=20, same_answer=19, max_rel_diff=0.02)})
+
+    write_json(run / "v4" / "agreement.json", agreement(True, "log-likelihoods differ by up to 0.02"))
+    write_json(run / "baseline" / "agreement.json", AgreementResult(
+        variant="baseline", input_hash="a", status="skipped", duration_s=0.0, error="an FP8 KV cache"))
+    page = render_run(run).read_text()
+    first = page.split("<table>", 1)[1].split("</table>", 1)[0]
+    assert "second engine agrees" in first
+    assert "<b class='FAIL'>NO</b> — 19/20 same answers (transformers, float32); log-likelihoods differ" in first
+    assert "The baseline, served by the same engine — second engine agrees: not checked: an FP8 KV cache" in page
+    write_json(run / "v4" / "agreement.json", agreement(False, "within 1e-07"))
+    first = render_run(run).read_text().split("<table>", 1)[1].split("</table>", 1)[0]
+    assert "yes — 19/20 same answers" in first and "class='FAIL'>NO" not in first

@@ -179,6 +179,11 @@ class QualitySpec(Strict):
                               "where every number comes back bit-identical (float32 on CPU) no item can flip and "
                               "the rest are not scored again; otherwise one more scoring pass of every item. "
                               "Cached with the baseline's quality result.")
+    agreement_sample: int = Field(20, ge=0, le=100000, description="Items per suite (the first N) scored again "
+                                  "by the reference engine (transformers, loading the checkpoint the variant was "
+                                  "built as) and compared item by item with the serving engine: the engine-"
+                                  "agreement check. It checks numerics, not accuracy: a wrong kernel or scale "
+                                  "moves every item's log-likelihoods, so a few dozen items show it. 0: not checked.")
 
     @field_validator("suites")
     @classmethod

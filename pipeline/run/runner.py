@@ -111,6 +111,7 @@ def evaluate_variant(ctx: RunContext, job: ServeJob, spent: Spent) -> None:
         say(name, f"systems: not measured ({job.systems_skip})")
     if q and s:
         say(name, "evaluate: done earlier")
+        check_agreement(ctx, job, qh, q)
         return
     say(name, "evaluate: starting engine (" + ", ".join(
         x for x, need in (("quality", q is None), ("systems", s is None)) if need) + ")")
@@ -123,6 +124,20 @@ def evaluate_variant(ctx: RunContext, job: ServeJob, spent: Spent) -> None:
     for stage, r in (("quality", q2), ("systems", s2)):
         if r is not None:
             resultcache.store(stage, r, vdir, run.root)
+    check_agreement(ctx, job, qh, q or q2)
+
+
+def check_agreement(ctx: RunContext, job: ServeJob, qh: str, q: QualityResult | None) -> None:
+    """The engine-agreement check (stages/agreement.py) on the quality this job measured."""
+    from pipeline.stages import agreement
+
+    if q is None or q.status != "ok":
+        return
+    weights = job.reference or job.weights
+    agreement.check(ctx.recipe, job.name, ctx.run_dir.variant(job.name), ctx.run_dir.root / "tasks", weights,
+                    job.tokenizer, ctx.dtype, qh, agreement.unsupported(weights, job.kv_cache_dtype,
+                                                                         job.load_quantization),
+                    log=lambda m: say(job.name, m))
 
 
 def serve_job(v, weights_dir: Path, model_dir: Path, weights_hash: str, numerics: dict, **kw) -> ServeJob:
@@ -190,7 +205,7 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
         dense = quantize_stage.dense_copy(qr, vdir, spent)
         evaluate_variant(ctx, serve_job(
             v, dense, ctx.model_dir, keys.dense_key(qr.input_hash), numerics, systems_skip=decision.reason,
-            checkpoint_bytes=qr.checkpoint_bytes,
+            checkpoint_bytes=qr.checkpoint_bytes, reference=weights_dir,
             plan=pool_plan(ctx, dense, kv, v.name),  # the dense weights' pool, for quality
             projected=pool_plan(ctx, dense, kv, v.name, projected_from=weights_dir)), spent)
     else:

@@ -41,6 +41,7 @@ class ServeJob:
     projected: BudgetPlan | None = None  # the capacity recorded instead when systems are skipped
     systems_skip: str | None = None  # why systems are not measured (weights served dense here)
     checkpoint_bytes: int | None = None
+    reference: Path | None = None  # what the reference engine loads (stages/agreement.py); None: `weights`
 
 
     def launch(self, recipe, dtype: str, log_path: Path, say=None) -> Launch:

@@ -67,7 +67,9 @@ def import_closure(*entries: Path, root: Path = ROOT, packages: tuple[str, ...] 
 
 # the serving engines' code: the interface and every engine kind's folder (not the quantize workers,
 # which key checkpoints instead); the engine-side hook runs inside vLLM, imported by no module here
-ENGINE_SIDE = tuple(sorted(p for p in (PIPELINE / "engines").rglob("*.py") if "workers" not in p.parts))
+# the serving engine's code (the reference engine keys only the agreement check: stages/agreement.py)
+ENGINE_SIDE = tuple(sorted(p for p in (PIPELINE / "engines").rglob("*.py")
+                           if "workers" not in p.parts and "transformers" not in p.parts))
 QUALITY_CODE = import_closure(PIPELINE / "stages" / "evaluate.py", PIPELINE / "stages" / "quality.py",
                               PIPELINE / "suites.py", PIPELINE / "measure" / "drift.py",
                               ROOT / "evalsuites" / "qe_utils.py", *ENGINE_SIDE)
@@ -120,7 +122,7 @@ def quality_key(recipe, common: dict) -> str:
     defs = {r.name: suites.definition_hash(r) for r in suites.resolve(q.suites)}
     # bootstrap settings only change sign-off, which is recomputed every run; the settings of
     # suites this recipe does not run cannot change its items
-    spec = q.model_dump(exclude={"bootstrap_samples", "seed"})
+    spec = q.model_dump(exclude={"bootstrap_samples", "seed", "agreement_sample"})  # agreement: its own key
     for suite in ("needle", "drift"):
         if suite not in q.suites:
             del spec[suite]
