@@ -1,13 +1,14 @@
 """Every scheme of recipes/matrix.yaml on this machine, at small sizes, recorded as dated rows.
 
-    python3 benchmarks/hardware_matrix.py [--no-write]
+    python3 benchmarks/hardware_matrix.py [--no-write] [--strict]
 
 Runs the matrix (the default model; PIQA 50 items; 8 requests of 128 + 32 tokens at concurrency
 2; 4 x 128 calibration tokens) through `./quantize-eval` in a temporary folder, prints one row
 per scheme (native / emulated / SKIPPED and why, whether it loaded and served, output tokens/s,
 KV tokens, PIQA accuracy) and appends them, stamped with the date, CPU model, ISA flags and the
 vLLM build, to docs/measured-hardware.md. Run it on each kind of machine a session lands on
-whose rows are missing or stale; the README's support matrix cites these rows.
+whose rows are missing or stale; the README's support matrix cites these rows. --strict: exit 1 when a
+variant failed to run or the reference engine disagrees with it (a SKIPPED variant is an answer, not a failure).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def rows(run: Path) -> list[list[str]]:
     return out
 
 
+def failures(table: list[list[str]]) -> list[str]:
+    """Variants that failed to run or that the reference engine disagrees with (rows() columns)."""
+    return [r[0] for r in table if r[3].startswith("FAILED") or r[4].startswith(("NO", "failed"))]
+
+
 def main() -> int:
     write = "--no-write" not in sys.argv
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,6 +107,10 @@ def main() -> int:
         with open(DOC, "a") as f:
             f.write(text)
         print(f"appended to {DOC}")
+    bad = failures(table)
+    if "--strict" in sys.argv and (bad or proc.returncode not in (0, 1, 4, 5)):  # any verdict
+        print(f"--strict: failed or disagreeing: {', '.join(bad) or 'none'}; quantize-eval exit {proc.returncode}")
+        return 1
     return 0
 
 

@@ -4,6 +4,7 @@ real engines, and a planted disagreement, are in test_integration."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from pipeline.results import SuiteAgreement
 from pipeline.stages import agreement
@@ -66,3 +67,21 @@ def test_what_the_reference_cannot_compute_is_skipped_with_the_reason(tmp_path):
 def test_a_result_reads_back():
     r = SuiteAgreement(n=3, same_answer=3, max_rel_diff=1e-7, median_rel_diff=1e-8, worst_doc_id=2)
     assert SuiteAgreement.model_validate_json(r.model_dump_json()) == r
+
+
+def test_the_gpu_check_fails_on_a_failed_or_disagreeing_variant(monkeypatch):
+    """benchmarks/gpu_check.sh runs hardware_matrix.py --strict: it exits 0 only when every variant ran or was
+    SKIPPED with its reason, and the reference engine agrees with every one it checked."""
+    import importlib
+    import sys
+
+    monkeypatch.setenv("QE_IN_ENGINE_ENV", "1")  # already in the engine environment: no re-exec
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    hm = importlib.import_module("hardware_matrix")
+    sys.modules.pop("hardware_matrix", None)
+    row = lambda name, served, agrees: [name, "native", "W8A8", served, agrees, "1", "2", "0.7", ""]  # noqa: E731
+    ok = [row("baseline", "yes", "yes (within 1e-07)"), row("fp8", "no", "–"), row("awq", "quality only", "yes (x)")]
+    assert hm.failures(ok) == []
+    assert hm.failures([*ok, row("w8a8", "yes", "NO (log-likelihoods differ)")]) == ["w8a8"]
+    assert hm.failures([*ok, row("gptq", "FAILED: engine exited", "–")]) == ["gptq"]
+    assert hm.failures([*ok, row("int8", "yes", "failed: EngineError")]) == ["int8"]
