@@ -350,6 +350,7 @@ def test_emulated_variants_are_served_exactly_their_quantized_values(run, tmp_pa
                         tmp_path / f"{name}.log", 600, "emulation check")
         r = json.loads(out.read_text())
         assert r["modules"] == 28 and r["exact"] == 28 and r["max_distinct_per_group"] <= 16, (name, r)
+        assert r["other_tensors"] >= 2 * 4 + 2 and r["other_exact"] == r["other_tensors"], (name, r)  # norms, embed
 
 
 def test_the_reference_engine_agrees_and_catches_a_planted_disagreement(run, tmp_path):

@@ -222,13 +222,32 @@ def test_emulation_is_exact(tiny, tmp_path, case):
     r = emulation_check(ckpt, dense, tmp_path)
     assert r["modules"] == 4 * 7 and r["exact"] == r["modules"] and r["mismatch"] == [], r
     assert 2 < r["max_distinct_per_group"] <= 2 ** r["bits"]
+    assert r["other_tensors"] > 0 and r["other_exact"] == r["other_tensors"], r
+    assert r["groups_checked"] == sum(t.numel() for k, t in load_file(next(dense.glob("*.safetensors"))).items()
+                                      if k.endswith("proj.weight")) // r["group"]  # every group, none sampled
     f = next(dense.glob("*.safetensors"))
     t = load_file(f)
     w = t["model.layers.1.mlp.down_proj.weight"]
     t["model.layers.1.mlp.down_proj.weight"] = torch.nextafter(w, torch.full_like(w, float("inf")))
+    t["model.norm.weight"] = t["model.norm.weight"] * 2  # a tensor no scheme quantized is compared too
     save_file(t, f, metadata={"format": "pt"})
     off = emulation_check(ckpt, dense, tmp_path)
-    assert off["mismatch"] == ["model.layers.1.mlp.down_proj"]
+    assert off["mismatch"] == ["model.layers.1.mlp.down_proj"] and off["other_mismatch"] == ["model.norm.weight"]
+
+
+def test_an_emulation_check_of_nothing_fails(tiny, tmp_path):
+    """A checkpoint whose quantized modules the check cannot find (here: none at all) is not a pass."""
+    import shutil
+
+    fake = tmp_path / "fake"
+    shutil.copytree(tiny, fake)
+    cfg = json.loads((fake / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64}}}}
+    (fake / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(RuntimeError):
+        emulation_check(fake, tiny, tmp_path)
+    assert json.loads((tmp_path / f"emulation-fake-{tiny.name}.json").read_text())["modules"] == 0
 
 
 def test_fp8_kv_doubles_capacity(tiny, tmp_path):

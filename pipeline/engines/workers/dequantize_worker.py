@@ -5,7 +5,10 @@ that AutoGPTQ and AutoAWQ wrote (unpacked here; those libraries no longer instal
 
 For an engine that lacks a scheme's kernel (see pipeline/engines/vllm/support.py): the dense weights
 equal the quantized values exactly (each group still holds at most 2^bits distinct
-values), so quality measured on them is the quantized model's quality.
+values), so quality measured on them is the quantized model's quality. They are written in float32
+whatever the checkpoint's dtype: a 4-bit integer times a 16-bit scale needs up to 11 significant bits,
+more than bfloat16 holds, so a bfloat16 copy would round the very values it stands for (an engine
+computing in a 16-bit dtype rounds them as it loads, as its own kernel would).
 
     <quantize-env>/bin/python -m pipeline.engines.workers.dequantize_worker CHECKPOINT OUT_DIR
 """
@@ -73,7 +76,8 @@ def dequantize_packed(src: Path, out: Path) -> None:
 
     cfg = json.loads((src / "config.json").read_text())
     qc = cfg.pop("quantization_config")
-    dtype = getattr(torch, cfg.get("dtype") or cfg.get("torch_dtype") or "float16")
+    dtype = torch.float32  # exact products (module docstring)
+    cfg["dtype"] = "float32"
     out.mkdir(parents=True, exist_ok=True)
     for f in sorted(src.glob("*.safetensors")):
         save_file(dense_from_packed(load_file(f), qc, dtype), out / f.name, metadata={"format": "pt"})
@@ -104,8 +108,7 @@ def dequantize_compressed(src: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    cfg_json = json.loads((src / "config.json").read_text())
-    dtype = getattr(torch, cfg_json.get("dtype") or cfg_json.get("torch_dtype") or "bfloat16")
+    dtype = torch.float32  # exact products (module docstring); scales are upcast before they multiply
     model = AutoModelForCausalLM.from_pretrained(
         src, dtype=dtype, quantization_config=CompressedTensorsConfig(run_compressed=False))
     state = {k: v for k, v in model.state_dict().items()
