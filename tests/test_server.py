@@ -92,9 +92,10 @@ def test_a_start_names_its_phase_from_the_engine_log():
 
 def test_a_slow_start_is_never_silent(tmp_path, monkeypatch):
     """While the engine is not ready, the start says every HEARTBEAT_S how long it has taken and its phase."""
+    from pipeline.engines import interface
     from pipeline.engines.vllm import server as srv
 
-    monkeypatch.setattr(srv, "HEARTBEAT_S", 0.3)
+    monkeypatch.setattr(interface, "HEARTBEAT_S", 0.3)
     log = tmp_path / "engine.log"
     log.write_text("\n".join(line for line, _ in START_LOG[:3]) + "\n")
     said = []

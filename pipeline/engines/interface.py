@@ -13,6 +13,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import socket
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +108,31 @@ class EngineKind(Protocol):
                activations: str = "auto"): ...  # a formats.Decision
     def architectures(self) -> set[str] | None: ...  # model classes it serves (None: cannot tell here)
     def native_on(self, weights: str) -> str: ...  # where a weight format runs natively, in words
+
+
+HEARTBEAT_S = 10.0  # at most this long without a line while an engine starts
+
+
+def wait_ready(what: str, proc, base_url: str, t0: float, timeout_s: float, log_path: Path,
+               say: Callable[[str], None] | None, phase: Callable[[], str], tail: Callable[[], str]) -> None:
+    """Until the engine process `proc`, launched at perf_counter() `t0`, answers GET /health with 200: saying
+    where its start is (`phase`) at least every HEARTBEAT_S, failing with its log's `tail` if it exits, and
+    after `timeout_s`."""
+    next_say = t0 + HEARTBEAT_S
+    while (now := time.perf_counter()) < t0 + timeout_s:
+        if say is not None and now >= next_say:
+            say(f"{what} start: {now - t0:.0f} s so far ({phase()})")
+            next_say = now + HEARTBEAT_S
+        if proc.poll() is not None:
+            raise EngineError(f"{what} exited with code {proc.returncode} while starting: {tail()} (log: {log_path})")
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)  # a refused connection costs nothing; a ready engine waits at most this
+    raise EngineError(f"{what} not ready after {timeout_s:.0f} s (engine.startup_timeout_s); log: {log_path}")
 
 
 def free_port() -> int:

@@ -14,12 +14,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pipeline.engines.interface import EngineError, KVLayout, Launch, free_port
+from pipeline.engines.interface import EngineError, KVLayout, Launch, free_port, wait_ready
 from pipeline.engines.memory import MemorySampler
 from pipeline.setup import envs
 
 SERVED_NAME = "model"
-HEARTBEAT_S = 10.0  # at most this long without a line while it starts
 
 
 class Server:
@@ -76,24 +75,8 @@ class Server:
         return " | ".join(lines[-n:])[-600:]
 
     def _wait_ready(self, t0: float) -> None:
-        timeout = self.spec.settings.startup_timeout_s
-        next_say = t0 + HEARTBEAT_S
-        while (now := time.perf_counter()) < t0 + timeout:
-            if self.spec.say is not None and now >= next_say:
-                self.spec.say(f"reference engine start: {now - t0:.0f} s so far ({self._log_tail(1) or 'importing'})")
-                next_say = now + HEARTBEAT_S
-            if self.proc.poll() is not None:
-                raise EngineError(f"reference engine exited with code {self.proc.returncode} while starting: "
-                                  f"{self._log_tail()} (log: {self.log_path})")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.25)
-        raise EngineError(f"reference engine not ready after {timeout:.0f} s (engine.startup_timeout_s); "
-                          f"log: {self.log_path}")
+        wait_ready("reference engine", self.proc, self.base_url, t0, self.spec.settings.startup_timeout_s,
+                   self.log_path, self.spec.say, lambda: self._log_tail(1) or "importing", self._log_tail)
 
     def stop(self) -> None:
         if self.memory:

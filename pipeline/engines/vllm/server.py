@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from pipeline.engines.interface import EngineError, KVLayout, Launch, free_port
+from pipeline.engines.interface import EngineError, KVLayout, Launch, free_port, wait_ready
 from pipeline.engines.memory import MemorySampler, device_used_bytes
 from pipeline.engines.vllm.sizing import fraction as sized_fraction
 from pipeline.engines.vllm.sizing import readback as sizing_readback
@@ -44,7 +44,6 @@ START_PHASES = (("(APIServer", "API server up; starting the engine core"),
                 ("Loading weights took", "weights loaded; sizing the KV pool"),
                 ("KV cache size", "KV pool allocated; warming up"),
                 ("init engine", "engine core ready; the API server is finishing its start"))
-HEARTBEAT_S = 10.0  # at most this long without a line while an engine starts
 
 
 def start_phase(log_text: str) -> str:
@@ -252,23 +251,8 @@ class Server:
         return " | ".join((errs or lines)[-n:])[-600:]
 
     def _wait_ready(self, t0: float) -> None:
-        deadline, next_say = t0 + self.engine.startup_timeout_s, t0 + HEARTBEAT_S
-        while (now := time.perf_counter()) < deadline:
-            if self.spec.say is not None and now >= next_say:
-                self.spec.say(f"engine start: {now - t0:.0f} s so far ({start_phase(self._log_text())})")
-                next_say = now + HEARTBEAT_S
-            if self.proc.poll() is not None:
-                raise EngineError(f"engine exited with code {self.proc.returncode} while starting: "
-                                  f"{self._log_tail()} (log: {self.log_path})")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.25)  # a refused connection costs nothing; a ready engine waits at most this
-        raise EngineError(f"engine not ready after {self.engine.startup_timeout_s:.0f} s "
-                          f"(engine.startup_timeout_s); log: {self.log_path}")
+        wait_ready("engine", self.proc, self.base_url, t0, self.engine.startup_timeout_s, self.log_path,
+                   self.spec.say, lambda: start_phase(self._log_text()), self._log_tail)
 
     def stop(self) -> None:
         if self.memory:
