@@ -129,7 +129,9 @@ def budget_statement(recipe: Recipe, model_dir: Path) -> str | None:
 
 def check_disk(recipe: Recipe, model_dir: Path) -> None:
     weights = weight_bytes(model_dir)
-    need = weights * (len(recipe.variants) + 1)  # each checkpoint (and its dense copy) < the model
+    # each checkpoint is smaller than the model; where an engine lacks a scheme's kernel (CPU) its float32 dense
+    # copy (dequantize_worker) is up to twice a 16-bit model
+    need = weights * (1 + len(recipe.variants) * (1 if envs.has_nvidia_gpu() else 3))
     home = envs.home()
     home.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(home).free
