@@ -85,3 +85,18 @@ def test_the_gpu_check_fails_on_a_failed_or_disagreeing_variant(monkeypatch):
     assert hm.failures([*ok, row("w8a8", "yes", "NO (log-likelihoods differ)")]) == ["w8a8"]
     assert hm.failures([*ok, row("gptq", "FAILED: engine exited", "–")]) == ["gptq"]
     assert hm.failures([*ok, row("int8", "yes", "failed: EngineError")]) == ["int8"]
+
+
+def test_the_reference_scores_each_suite_in_the_lm_eval_call_quality_made():
+    """One grouping for both passes: a user task's own limit (keyed by its recipe entry, a path) caps the
+    reference's sample as it capped the serving pass, so no item is scored by one engine only."""
+    from types import SimpleNamespace
+
+    from pipeline.stages import quality
+
+    q = SimpleNamespace(suites=("piqa", "tasks/mine.yaml", "drift"),
+                        limit_of=lambda entry: {"tasks/mine.yaml": 7}.get(entry, 200))
+    refs = [SimpleNamespace(name="piqa", kind="mc"), SimpleNamespace(name="mine", kind="user"),
+            SimpleNamespace(name="drift", kind="drift")]
+    groups = quality.lm_eval_groups(q, refs)
+    assert {k: [r.name for r in v] for k, v in groups.items()} == {None: ["piqa"], 7: ["mine"]}

@@ -58,7 +58,8 @@ def check(recipe, variant: str, vdir: Path, tasks_dir: Path, weights: Path, toke
     """The check for one variant whose quality was measured into vdir; reused when its inputs are unchanged.
     Never raises: a reference engine that fails is recorded as a failed check, the variant's results stand."""
     n = recipe.quality.agreement_sample
-    lm_refs = [r for r in suites.resolve(recipe.quality.suites) if r.kind != "drift"]
+    by_limit = quality.lm_eval_groups(recipe.quality, suites.resolve(recipe.quality.suites))
+    lm_refs = [r for group in by_limit.values() for r in group]
     if n == 0 or not lm_refs:
         return None
     h = key(quality_key, weights, n)
@@ -73,7 +74,7 @@ def check(recipe, variant: str, vdir: Path, tasks_dir: Path, weights: Path, toke
     else:
         t0 = time.perf_counter()
         try:
-            r = _check(recipe, variant, vdir, tasks_dir, weights, tokenizer, dtype, lm_refs, base, log)
+            r = _check(recipe, variant, vdir, tasks_dir, weights, tokenizer, dtype, by_limit, base, log)
         except Exception as exc:  # the serving engine's results stand; the report says the check failed
             r = AgreementResult(**base, status="failed", duration_s=time.perf_counter() - t0,
                                 error=f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
@@ -82,17 +83,15 @@ def check(recipe, variant: str, vdir: Path, tasks_dir: Path, weights: Path, toke
     return r
 
 
-def _check(recipe, variant, vdir, tasks_dir, weights, tokenizer, dtype, lm_refs, base, log) -> AgreementResult:
+def _check(recipe, variant, vdir, tasks_dir, weights, tokenizer, dtype, by_limit, base, log) -> AgreementResult:
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
     tok_dir = tokenizer or weights
     tok = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=recipe.model.trust_remote_code)
+    lm_refs = [r for group in by_limit.values() for r in group]
     served = {r.name: {x["doc_id"]: x for x in map(json.loads, (vdir / "samples" / f"{r.name}.jsonl").read_text()
                                                      .splitlines())} for r in lm_refs}
-    by_limit: dict = {}
-    for r in lm_refs:  # the suites' tasks as quality rendered them
-        by_limit.setdefault(recipe.quality.limit_of(r.name) if r.kind == "user" else None, []).append(r)
     spec = Launch(weights, recipe.engine, dtype, vdir / "reference.log", recipe.model.trust_remote_code,
                   tokenizer=tokenizer, say=log)
     log(f"engine agreement: scoring the first {base['sample']} items of each suite in the reference engine")

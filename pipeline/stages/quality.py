@@ -61,10 +61,9 @@ def run_quality(server: Engine, model_dir: Path, recipe, variant: str, vdir: Pat
     refs = suites.resolve(q.suites)
     limit = {r.name: q.limit_of(entry) for entry, r in zip(q.suites, refs, strict=True)}
     lm_refs = [r for r in refs if r.kind != "drift"]
-    by_limit: dict[int | None, list] = {}
-    for r in lm_refs:  # builtin data is cut when rendered; a user's task is cut by lm-eval's limit
+    for r in lm_refs:
         suites.render(r, tasks_dir, tok, q, limit[r.name])
-        by_limit.setdefault(limit[r.name] if r.kind == "user" else None, []).append(r)
+    by_limit = lm_eval_groups(q, refs)
     samples, configs, timings = run_lm_eval(server, model_dir, recipe, by_limit, tasks_dir, variant)
     results, first = {}, {}
     samples_dir = vdir / "samples"
@@ -97,6 +96,16 @@ def run_quality(server: Engine, model_dir: Path, recipe, variant: str, vdir: Pat
                                    "seconds": timings,
                                    "prompt_length_buckets": "prompt tokens by the model's tokenizer, "
                                                             "edges " + ", ".join(map(str, suites.BUCKETS))})
+
+
+def lm_eval_groups(q, refs: list) -> dict[int | None, list]:
+    """The suites (not drift) grouped into one lm-eval call per distinct limit: builtin data is cut when it is
+    rendered (key None), a user's task by lm-eval's limit, its own from quality.limits where it has one."""
+    out: dict[int | None, list] = {}
+    for entry, r in zip(q.suites, refs, strict=True):
+        if r.kind != "drift":
+            out.setdefault(q.limit_of(entry) if r.kind == "user" else None, []).append(r)
+    return out
 
 
 # the A/A pass: another batch composition than the default's 2 x 8 (other prompts share each engine step), with

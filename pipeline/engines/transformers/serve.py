@@ -116,7 +116,7 @@ class Model:
         return {"text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def handler(model: Model, served_name: str):
+def handler(model: Model):
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args) -> None:  # one line per request would drown the log
             pass
@@ -133,7 +133,7 @@ def handler(model: Model, served_name: str):
             if self.path == "/health":
                 self._send(200, {})
             elif self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": served_name, "object": "model"}]})
+                self._send(200, {"object": "list", "data": [{"id": model.served_name, "object": "model"}]})
             elif self.path == "/gauges":
                 self._send(200, {"running": model.running, "waiting": 0, "kv_usage": 0.0, "preemptions": 0,
                                  "finished": model.finished})
@@ -164,7 +164,7 @@ def main(argv: list[str]) -> int:
     print(f"reference engine: loading {a.model} with transformers in {a.dtype}", flush=True)
     m, tok = load(a.model, a.dtype, a.tokenizer)
     print("reference engine: loaded; serving", flush=True)
-    ThreadingHTTPServer(("127.0.0.1", a.port), handler(Model(m, tok, a.served_name), a.served_name)).serve_forever()
+    ThreadingHTTPServer(("127.0.0.1", a.port), handler(Model(m, tok, a.served_name))).serve_forever()
     return 0
 
 
