@@ -49,7 +49,7 @@ def cluster_run(tmp_path_factory):
               "engine": {"max_model_len": 512, "max_num_seqs": 8, "kv_cache_gib": 0.25, "dtype": "float32"},
               "calibration": {"num_samples": 4, "max_seq_len": 64},
               "variants": [native.eight_bit_variant(model, "q")],
-              "quality": {"suites": ["piqa"], "limit": 10, "bootstrap_samples": 200},
+              "quality": {"suites": ["piqa"], "limit": 10, "bootstrap_samples": 200, "agreement_sample": 0},
               "workload": {"prompt_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
                            "warmup_requests": 1, "repeats": 1},
               "gates": [{"metric": "accuracy_delta", "op": ">=", "threshold": -1.0}],

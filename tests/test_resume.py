@@ -72,7 +72,7 @@ def test_sigkill_at_several_points_then_resume(tmp_path):
         "engine": {"max_model_len": 256, "max_num_seqs": 4, "kv_cache_gib": 0.125},
         "calibration": {"num_samples": 2, "max_seq_len": 32},
         "variants": [{"name": "rtn", "scheme": "rtn_w4a16", "group_size": 64}],
-        "quality": {"suites": ["piqa"], "limit": 8, "bootstrap_samples": 100},
+        "quality": {"suites": ["piqa"], "limit": 8, "bootstrap_samples": 100, "agreement_sample": 0},
         "workload": {"prompt_tokens": 16, "output_tokens": 4, "concurrency": 1, "num_requests": 2,
                      "warmup_requests": 0, "repeats": 1},
         "runs_dir": str(tmp_path / "runs"),

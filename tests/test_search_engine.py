@@ -121,7 +121,7 @@ def searched(tmp_path_factory):
         "engine": {"max_model_len": 512, "max_num_seqs": 8, "memory_budget_gib": 4.0, "dtype": "float32",
                    "seed": int.from_bytes(os.urandom(3), "little")},
         "calibration": {"num_samples": 4, "max_seq_len": 64, "dtype": "float32"},
-        "quality": {"suites": ["drift", "asdiv"], "limit": 3, "bootstrap_samples": 200,
+        "quality": {"suites": ["drift", "asdiv"], "limit": 3, "bootstrap_samples": 200, "agreement_sample": 0,
                     "drift": {"windows": 2, "window_tokens": 256}},
         "workload": {"prompt_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
                      "warmup_requests": 1, "repeats": 2},
