@@ -108,6 +108,14 @@ def _body(run: Run) -> str:
             + matrix_section(run) + flips_section(run) + provenance_section(run))
 
 
+def _engine(m: dict) -> str:
+    """The engine every number of the run came from; a quality-only engine says so at the top."""
+    kind = m.get("engine_kind") or "vllm"
+    if why := m.get("engine_systems_not_measured"):
+        return f"{kind}, quality only: {why}"
+    return kind
+
+
 def render_html(data: dict, run_dir: Path) -> str:
     m = data["manifest"]
     raw = json.dumps(data, default=str).replace("<", "\\u003c")  # no tag can open or close in it
@@ -115,7 +123,8 @@ def render_html(data: dict, run_dir: Path) -> str:
             "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; style-src 'unsafe-inline'; img-src data:\">"
             f"<title>quantize-eval: {escape(m['recipe_name'])}</title><style>{CSS}</style></head><body>"
             f"<h1>quantize-eval report: {escape(m['recipe_name'])}</h1>"
-            f"<div class='muted small'>{escape(str(run_dir))} · model {escape(m['model_dir'])}</div>"
+            f"<div class='muted small'>{escape(str(run_dir))} · model {escape(m['model_dir'])} · served by "
+            f"{escape(_engine(m))}</div>"
             + _body(read_run(data, run_dir))
             + f"<script type='application/json' id='results'>{raw}</script></body></html>")
 

@@ -31,6 +31,8 @@ class Decision:
     reason: str
     compute: str = ""  # the precision the engine computes in: W4A16, W4A8, W8A8-INT8, W8A16-FP8, W8A8-FP8, dense
     activations: str = ""  # what the activations are in that product (e.g. "bfloat16", "int8 per token")
+    # emulated by the engine as it loads the checkpoint, so no dense copy is served in its place
+    engine_dequantizes: bool = False
 
 
 # the variant field `activations`: what the scheme names, or the engine's own W4A8 path for 4-bit weights

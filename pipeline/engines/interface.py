@@ -108,6 +108,8 @@ class EngineKind(Protocol):
                activations: str = "auto"): ...  # a formats.Decision
     def architectures(self) -> set[str] | None: ...  # model classes it serves (None: cannot tell here)
     def native_on(self, weights: str) -> str: ...  # where a weight format runs natively, in words
+    # why this engine measures no memory, capacity or latency (its variants' systems are N/A); None: it does
+    def systems_not_measured(self) -> str | None: ...
 
 
 HEARTBEAT_S = 10.0  # at most this long without a line while an engine starts

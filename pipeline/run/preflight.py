@@ -73,11 +73,14 @@ def check_search(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
 
 def _base_plan(recipe: Recipe, model_dir: Path):
     """The base model's predicted pool under the recipe's budget, from this host's engine-overhead figures
-    (or the prior when it has none yet); None when not in budget mode or the config lacks the attention shapes."""
+    (or the prior when it has none yet); None when not in budget mode, the engine sizes no pool, or the config
+    lacks the attention shapes."""
     from pipeline.measure import membudget, overhead
     from pipeline.store import provenance
 
     if membudget.mode(recipe.engine, envs.has_nvidia_gpu()) != "budget":
+        return None
+    if interface.kind(recipe.engine.kind).systems_not_measured():
         return None
     dtype = host.resolve_dtype(recipe.engine.dtype)
     act = provenance.dtype_bytes(dtype)

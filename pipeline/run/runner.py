@@ -14,6 +14,7 @@ outcome of every variant is then read back from the run folder (pipeline/store/o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -76,7 +77,10 @@ def pool_plan(ctx: RunContext, weights_dir: Path, kv_cache_dtype: str, name: str
               projected_from: Path | None = None) -> BudgetPlan:
     """The KV pool one engine is predicted to get under the recipe's memory budget
     (pipeline/measure/membudget.py; the engine then sizes its own); what the engine's sizing does not count
-    is fixed once per run. A predicted pool that cannot hold one sequence fails here, before any engine starts."""
+    is fixed once per run. A predicted pool that cannot hold one sequence fails here, before any engine starts.
+    None for an engine that has no pool to size (interface.EngineKind.systems_not_measured)."""
+    if ctx.engine.systems_not_measured():
+        return None
     gpu = envs.has_nvidia_gpu()
     act, kv = provenance.dtype_bytes(ctx.dtype), provenance.kv_elem_bytes(ctx.dtype, kv_cache_dtype)
     figures = None
@@ -99,6 +103,8 @@ def evaluate_variant(ctx: RunContext, job: ServeJob, spent: Spent) -> None:
 
     recipe, dtype, run, name = ctx.recipe, ctx.dtype, ctx.run_dir, job.name
     vdir = run.variant(name)
+    if why := ctx.engine.systems_not_measured():  # an engine that measures none: every variant's are N/A
+        job = dataclasses.replace(job, systems_skip=why)
     qh, sh = keys.evaluate_keys(recipe, job.weights_hash, dtype, job.launch(recipe, dtype, vdir / "engine.log").options(),
                                  job.projected or job.plan, job.numerics)
     q, s = _reuse(vdir, name, qh, sh, job.systems_skip)
@@ -134,9 +140,10 @@ def check_agreement(ctx: RunContext, job: ServeJob, qh: str, q: QualityResult | 
     if q is None or q.status != "ok":
         return
     weights = job.reference or job.weights
+    skip = ("the serving engine is the reference engine itself" if ctx.recipe.engine.kind == agreement.REFERENCE
+            else agreement.unsupported(weights, job.kv_cache_dtype, job.load_quantization))
     agreement.check(ctx.recipe, job.name, ctx.run_dir.variant(job.name), ctx.run_dir.root / "tasks", weights,
-                    job.tokenizer, ctx.dtype, qh, agreement.unsupported(weights, job.kv_cache_dtype,
-                                                                         job.load_quantization),
+                    job.tokenizer, ctx.dtype, qh, skip,
                     log=lambda m: say(job.name, m))
 
 
@@ -170,7 +177,11 @@ def _judge(ctx: RunContext, v, vdir: Path, fmt: Format, model_cfg: dict) -> Deci
                                        "read_from": fmt.detail, "engine_env": ctx.engine.numerics_env(decision.compute),
                                        "native_on": ctx.engine.native_on(fmt.weights)})
     if decision.mode == "unsupported":
-        say(v.name, f"SKIPPED: {decision.reason}")
+        from pipeline.stages.agreement import REFERENCE
+
+        other = ctx.recipe.engine.kind != REFERENCE and interface.kind(REFERENCE).decide(fmt, model_cfg).mode
+        hint = f" (its quality alone: engine.kind {REFERENCE})" if other not in (False, "unsupported") else ""
+        say(v.name, f"SKIPPED: {decision.reason}{hint}")
     return decision
 
 
@@ -189,7 +200,8 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
         qr = quantize_stage.import_checkpoint(v, vdir, ctx.model_dir, imported)
     elif v.quantized_offline:
         qr = quantize_stage.quantize(ctx.recipe, v, ctx.model_dir, ctx.model_id, vdir, spent,
-                                     also_dense=bool(decision and decision.mode == "emulated"))
+                                     also_dense=bool(decision and decision.mode == "emulated"
+                                                     and not decision.engine_dequantizes))
     if stop_after == "quantize":  # the ray executor runs evaluation as its own task
         return
     if scheme.user_recipe:
@@ -202,6 +214,7 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
     kv = "fp8" if v.kv_cache != "auto" else "auto"
     if decision.mode == "emulated":
         say(v.name, f"engine support: {decision.reason}")
+    if decision.mode == "emulated" and not decision.engine_dequantizes:
         dense = quantize_stage.dense_copy(qr, vdir, spent)
         evaluate_variant(ctx, serve_job(
             v, dense, ctx.model_dir, keys.dense_key(qr.input_hash), numerics, systems_skip=decision.reason,
@@ -211,7 +224,8 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
     else:
         evaluate_variant(ctx, serve_job(
             v, weights_dir, ctx.model_dir, qr.input_hash if qr else ctx.model_id, numerics,
-            checkpoint_bytes=qr.checkpoint_bytes if qr else None, plan=pool_plan(ctx, weights_dir, kv, v.name)), spent)
+            checkpoint_bytes=qr.checkpoint_bytes if qr else None, plan=pool_plan(ctx, weights_dir, kv, v.name),
+            systems_skip=decision.reason if decision.mode == "emulated" else None), spent)
 
 
 def support_table(recipe: Recipe) -> list[tuple[str, Decision]]:
@@ -225,8 +239,11 @@ def support_table(recipe: Recipe) -> list[tuple[str, Decision]]:
         example = imports and v.checkpoint.startswith("example:")
         fmt = Format("wna16", v.kv_cache != "auto", "example RTN 4-bit") if example else variant_format(
             v, Path(v.checkpoint) if imports else None)
-        rows.append((v.name, engine.decide(fmt, model_cfg, dtype=dtype, activations=v.activations) if fmt else Decision(
-            "unknown", engine.capabilities()["platform_name"], "decided after your recipe writes its checkpoint")))
+        if fmt is None:
+            platform = engine.capabilities().get("platform_name", recipe.engine.kind)
+            rows.append((v.name, Decision("unknown", platform, "decided after your recipe writes its checkpoint")))
+        else:
+            rows.append((v.name, engine.decide(fmt, model_cfg, dtype=dtype, activations=v.activations)))
     return rows
 
 
@@ -342,6 +359,7 @@ def start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, d
         "recipe_file": str(recipe_path), "recipe": recipe.model_dump(mode="json"),
         "model_dir": str(model_dir), "model": hashes, "engine_dtype": dtype,
         "engine_kind": recipe.engine.kind,
+        "engine_systems_not_measured": interface.kind(recipe.engine.kind).systems_not_measured(),
         # every engine's, unless a variant's support.json says otherwise
         "engine_numerics_env": interface.kind(recipe.engine.kind).numerics_env(),
         "model_note": assets.MODEL_NOTES.get(recipe.model.builtin or "", ""),

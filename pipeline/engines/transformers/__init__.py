@@ -38,17 +38,23 @@ def capabilities() -> dict:
 
 
 def decide(fmt, model_cfg: dict, caps: dict | None = None, dtype: str = "float32", activations: str = "auto"):
+    if fmt.kv_fp8:
+        return Decision("unsupported", "transformers", "FP8 KV cache: the reference engine keeps it in the engine dtype")
     if fmt.weights not in LOADS:
         return Decision("unsupported", "transformers", f"{fmt.weights}: not a format the reference engine loads")
     if fmt.weights == "dense":
         return Decision("native", "transformers", "dense weights", compute="dense", activations=dtype)
     return Decision("emulated", "transformers", f"{fmt.weights}: decompressed by compressed-tensors to {dtype}",
-                    compute="dense", activations=dtype)
+                    compute="dense", activations=dtype, engine_dequantizes=True)
 
 
 def architectures() -> set[str] | None:
     return None
 
 
+def systems_not_measured() -> str | None:
+    return "the reference engine (transformers) measures no memory, capacity or latency"
+
+
 def native_on(weights: str) -> str:
-    return "nowhere: the reference engine computes every scheme from decompressed weights"
+    return "a serving engine (engine.kind: vllm) where it runs the scheme; the reference engine decompresses every one"

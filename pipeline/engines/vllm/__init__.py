@@ -38,6 +38,10 @@ def architectures() -> set[str] | None:
     return set(ModelRegistry.get_supported_archs())
 
 
+def systems_not_measured() -> str | None:
+    return None
+
+
 def native_on(weights: str) -> str:
     """Where this engine runs a weight format natively: what cannot be measured here is measured there."""
     return support.NATIVE_ON.get(weights, "hardware where vLLM runs the scheme natively")
