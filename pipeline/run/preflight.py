@@ -8,6 +8,7 @@ naming the field or file (exit 2), raised before an engine or a quantizer starts
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -223,11 +224,26 @@ def check_ray_address(recipe: Recipe) -> None:
                              "is it the port `ray start --head` printed?")
 
 
+def _extracted(suite: str, limit: int | None) -> list[dict] | None:
+    """The first `limit` items of a builtin suite, if its data was extracted already (validate fetches nothing)."""
+    if suite not in assets.DATA_SOURCES or not (path := assets.suite_data_path(suite)).exists():
+        return None
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    return rows[:limit] if limit else rows
+
+
 def items_in_scope(recipe: Recipe, scope: str) -> int | None:
-    """Items a quality gate is judged on, as far as the recipe fixes them (None: known after the run)."""
+    """Items a quality gate is judged on, as far as the recipe and the data already extracted fix them
+    (None: known after the run)."""
     q = recipe.quality
-    if "/" in scope:
-        return None  # a slice's size is known once the items are read
+    if "/" in scope:  # a slice of a builtin suite whose items are at hand, by a slice its data carries
+        suite, _, cut = scope.partition("/")
+        dim, _, value = cut.partition("=")
+        rows = _extracted(suite, q.limit_of(suite))
+        if rows is None or dim == "prompt_len":  # prompt length: known once the items are tokenized
+            return None
+        return sum((r.get("slices") or {}).get(dim) == value for r in rows)
 
     def items(suite: str) -> int | None:
         if suite == "drift":
@@ -236,7 +252,8 @@ def items_in_scope(recipe: Recipe, scope: str) -> int | None:
         if suite == "needle":
             cells = len(q.needle.context_tokens) * len(q.needle.depths) * q.needle.per_cell
             return min(cells, limit) if limit else cells
-        return limit
+        rows = _extracted(suite, limit)
+        return len(rows) if rows is not None else limit
 
     counts = [items(s) for s in (q.suites if scope in ("overall", "each_suite") else [scope])]
     if None in counts:

