@@ -45,6 +45,39 @@ def process_asdiv(doc: dict, results: list[str]) -> dict:
     return {"acc": int(asdiv_correct(doc, results[0]))}
 
 
+# GSM8K as lm-eval's gsm8k_cot_llama scores it: its two regex filters (RegexFilter, group_select -1,
+# fallback "[invalid]") and exact_match with its regexes_to_ignore and ignore_case
+GSM8K_STRICT = re.compile(r"The final answer is ((-?[$0-9.,]{2,})|(-?[0-9]+))")
+GSM8K_FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+GSM8K_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")
+INVALID = "[invalid]"
+
+
+def regex_filter(pattern: re.Pattern, text: str) -> str:
+    """lm-eval's RegexFilter with group_select -1: the last match, its first non-empty group."""
+    found = pattern.findall(text)
+    if not found:
+        return INVALID
+    match = found[-1]
+    if isinstance(match, tuple):
+        match = next((m for m in match if m), INVALID)
+    return match.strip()
+
+
+def gsm8k_exact(pred: str, gold: str) -> bool:
+    for s in GSM8K_IGNORE:
+        pred, gold = re.sub(s, "", pred), re.sub(s, "", gold)
+    return pred.lower() == gold.lower()
+
+
+def process_gsm8k(doc: dict, results: list[str]) -> dict:
+    """acc: lm-eval's flexible-extract exact match (the last number); strict_match: its strict-match (the
+    number after "The final answer is")."""
+    text = results[0]
+    return {"acc": int(gsm8k_exact(regex_filter(GSM8K_FLEXIBLE, text), doc["answer"])),
+            "strict_match": int(gsm8k_exact(regex_filter(GSM8K_STRICT, text), doc["answer"]))}
+
+
 # --- tool calls (BFCL) -----------------------------------------------------------------------
 
 def _json_objects(text: str):
@@ -199,6 +232,8 @@ def process_needle(doc: dict, results: list[str]) -> dict:
 def well_formed(suite: str, doc: dict, text: str) -> bool:
     if suite == "asdiv":
         return extract_number(text) is not None
+    if suite == "gsm8k":
+        return regex_filter(GSM8K_FLEXIBLE, text) != INVALID
     if suite == "bfcl":
         return ground_truth(doc) is None or parse_call(text) is not None
     return True

