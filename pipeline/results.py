@@ -64,6 +64,9 @@ class SuiteQuality(Model):
     near_chance: bool = Field(description="The CI reaches chance: on the baseline, this suite cannot show damage.")
     metric: str = "acc"
     kind: str = Field("mc", description="mc (loglikelihood of choices), gen (generation), user (your task).")
+    # counted in overall accuracy and in each_suite gates; a safety suite's "correct" is a refusal, not an
+    # answer, so it is judged by its own gates (refusal_rate_delta, harmful_compliance_flips) only
+    pooled: bool = True
     categories: dict[str, int] = Field(default_factory=dict, description="Items per failure category.")
     slices: dict[str, SliceStat] = Field(default_factory=dict, description="'dimension=value' -> accuracy.")
     samples_file: str
@@ -130,9 +133,10 @@ class QualityResult(StageResult):
     settings: dict = Field(default_factory=dict)
 
     def overall(self) -> tuple[int, int]:
-        """(correct, n) over every scored item of every suite: the one definition of overall
-        accuracy that sign-off, the report and `compare` read."""
-        return sum(s.correct for s in self.suites.values()), sum(s.n for s in self.suites.values())
+        """(correct, n) over every scored item of every suite but a safety suite's refusals: the one definition
+        of overall accuracy that sign-off, the report and `compare` read."""
+        pooled = [s for s in self.suites.values() if s.pooled]
+        return sum(s.correct for s in pooled), sum(s.n for s in pooled)
 
     def overall_accuracy(self) -> float | None:
         k, n = self.overall()

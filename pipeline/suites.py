@@ -54,8 +54,9 @@ class _TaskLoader(yaml.SafeLoader):
 _TaskLoader.add_constructor("!function", lambda loader, node: f"!function {loader.construct_scalar(node)}")
 
 
-# stop strings one completions request may carry (vLLM's OpenAI server refuses more)
-MAX_STOP = 4
+# stop strings a task may list: vLLM's OpenAI server refuses more than 4 in a request, and lm-eval adds the
+# model's EOS to the task's list where it is not already there
+MAX_STOP = 3
 
 
 def read_task_yaml(path: Path) -> dict:
@@ -82,8 +83,8 @@ def user_task(path: Path) -> Suite:
         raise ValueError(f"{path}: output_type {data.get('output_type')!r} is not scored per item here")
     until = (data.get("generation_kwargs") or {}).get("until") or []
     if isinstance(until, list) and len(until) > MAX_STOP:
-        raise ValueError(f"{path}: generation_kwargs.until has {len(until)} stop strings; the engine's OpenAI "
-                         f"endpoint takes at most {MAX_STOP}")
+        raise ValueError(f"{path}: generation_kwargs.until has {len(until)} stop strings; at most {MAX_STOP} (the "
+                         "engine's OpenAI endpoint takes 4, and lm-eval adds the model's end-of-sequence token)")
     return Suite(name=name, kind="user", yaml_path=path.resolve())
 
 

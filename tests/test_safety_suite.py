@@ -87,3 +87,34 @@ def test_a_safety_gate_on_its_suite_validates_and_the_request_is_the_users_messa
     y = suites.render(suites.resolve(["harmbench"])[0], tmp_path, tok, r.quality, 2)
     row = json.loads(open(suites.read_task_yaml(y)["dataset_kwargs"]["data_files"]["test"]).readline())
     assert row["prompt"] == suites.chat(tok, None, row["question"])
+
+
+def suite_q(name: str, k: int, n: int, pooled: bool = True):
+    from pipeline.results import SuiteQuality
+
+    return SuiteQuality(suite=name, n=n, correct=k, accuracy=k / n, ci_low=0.0, ci_high=1.0, chance=0.0,
+                        near_chance=False, kind="gen", pooled=pooled, samples_file=f"samples/{name}.jsonl")
+
+
+def test_refusals_are_not_accuracy(tmp_path):
+    """The safety suite's refusals stay out of overall accuracy, its paired 'overall' and each_suite gates."""
+    from pipeline.results import QualityResult
+    from pipeline.stages import signoff
+
+    q = QualityResult(variant="v", input_hash="h", status="ok", duration_s=0.0,
+                      suites={"gsm8k": suite_q("gsm8k", 3, 10), "harmbench": suite_q("harmbench", 8, 8, False)})
+    assert q.overall() == (3, 10)
+    for who, flips in (("b", [1] * 8), ("v", [1, 1, 1, 1, 0, 0, 0, 0])):
+        (tmp_path / who / "samples").mkdir(parents=True)
+        for name, n in (("gsm8k", 10), ("harmbench", 8)):
+            rows = [{"doc_id": i, "correct": (flips[i] if name == "harmbench" else int(i < 3)), "slices": {}}
+                    for i in range(n)]
+            (tmp_path / who / "samples" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paired = signoff.paired_slices(tmp_path / "b", q, tmp_path / "v", q, 200, 0)
+    overall = next(p for p in paired if p.slice == "overall")
+    assert overall.n == 10 and overall.delta == 0  # gsm8k's items only: the 4 refused -> complied flips are not in it
+    assert next(p for p in paired if p.slice == "harmbench").flips_correct_to_wrong == 4
+    r = Recipe.model_validate({**recipe(["gsm8k", "harmbench"], {"metric": "accuracy_delta", "scope": "each_suite",
+                                                                 "op": ">=", "threshold": -0.05})})
+    gates = signoff.judge_gates(r, metrics.Inputs(quality=q, paired=paired))
+    assert [g.scope for g in gates] == ["gsm8k"]

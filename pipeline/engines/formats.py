@@ -22,6 +22,7 @@ class Format:
     weights: str  # one of WEIGHT_FORMATS
     kv_fp8: bool = False
     detail: str = ""  # what was read to decide (scheme name or checkpoint config)
+    legacy: bool = False  # a GPTQ/AWQ-format checkpoint (its own packing, not compressed-tensors)
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def checkpoint_format(config: dict) -> Format:
     if not qc:
         return Format("dense", False, "no quantization_config")
     if method in ("gptq", "awq", "auto_gptq"):
-        return Format("wna16", False, f"{method} {qc.get('bits')}-bit g{qc.get('group_size')}")
+        return Format("wna16", False, f"{method} {qc.get('bits')}-bit g{qc.get('group_size')}", legacy=True)
     if method == "bitsandbytes":
         return Format("bnb", False, "bitsandbytes")
     if method != "compressed-tensors":

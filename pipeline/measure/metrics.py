@@ -55,7 +55,7 @@ def accuracy(inp: Inputs, scope: str) -> Measured:
     q = inp.quality
     if "/" in scope:  # one slice of a suite
         suite, key = scope.split("/", 1)
-        st = q.suites[suite].slices.get(key) if suite in q.suites else None
+        st = q.suites[suite].slices.get(key) if q is not None and suite in q.suites else None
         if st is None:
             return NONE
         return Measured(value=st.accuracy, ci_low=st.ci_low, ci_high=st.ci_high, n=st.n)
@@ -64,14 +64,20 @@ def accuracy(inp: Inputs, scope: str) -> Measured:
     return Measured(value=k / n if n else None, ci_low=lo, ci_high=hi, n=n)
 
 
-def accuracy_delta(inp: Inputs, scope: str) -> Measured:
+def _paired_of(inp: Inputs, scope: str) -> PairedSlice | None:
+    """The paired comparison of a suite, a slice, or overall."""
     ps = next((p for p in inp.paired if p.slice == scope), None)
     if ps is None and "/" in scope:  # a slice covering its whole suite is reported as the suite row
         suite, key = scope.split("/", 1)
         q = inp.quality
-        st = q.suites[suite].slices.get(key) if suite in q.suites else None
+        st = q.suites[suite].slices.get(key) if q is not None and suite in q.suites else None
         if st is not None and st.n == q.suites[suite].n:
             ps = next((p for p in inp.paired if p.slice == suite), None)
+    return ps
+
+
+def accuracy_delta(inp: Inputs, scope: str) -> Measured:
+    ps = _paired_of(inp, scope)
     if ps is None:
         return NONE
     return Measured(value=ps.delta, ci_low=ps.delta_ci_low, ci_high=ps.delta_ci_high, n=ps.n,
@@ -92,8 +98,7 @@ def refusal_rate_delta(inp: Inputs, scope: str) -> Measured:
 
 def harmful_compliance_flips(inp: Inputs, scope: str) -> Measured:
     """Harmful prompts the baseline refused and the variant complied with (the paired refused -> complied flips)."""
-    scope = _safety_scope(scope)
-    ps = next((p for p in inp.paired if p.slice == scope), None)
+    ps = _paired_of(inp, _safety_scope(scope))
     if ps is None:
         return NONE
     return Measured(value=float(ps.flips_correct_to_wrong), n=ps.n,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pipeline import suites, suitetable
 from pipeline.measure import metrics
+from pipeline.setup.standard_suites import MMLU_SUBJECT
 
 # the slices of the standard set and the safety suite take fixed values (pipeline/setup/standard_suites.py)
 FIXED_SLICES = {
@@ -21,6 +22,7 @@ FIXED_SLICES = {
     ("harmbench", "category"): ("chemical_biological", "cybercrime_intrusion", "harassment_bullying", "harmful",
                                 "illegal", "misinformation_disinformation"),
     ("harmbench", "kind"): ("standard", "contextual"),
+    ("mmlu", "subject"): tuple(MMLU_SUBJECT),
 }
 
 

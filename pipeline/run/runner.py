@@ -164,7 +164,7 @@ def variant_format(v, checkpoint: Path | None = None) -> Format | None:
         if checkpoint is None:
             return None
         fmt = formats.checkpoint_format(modelcfg.read(checkpoint))
-        return Format(fmt.weights, fmt.kv_fp8 or v.kv_cache != "auto", fmt.detail)
+        return Format(fmt.weights, fmt.kv_fp8 or v.kv_cache != "auto", fmt.detail, fmt.legacy)
     if scheme.user_recipe:
         return None
     return formats.scheme_format(v.scheme, v.kv_cache)
@@ -237,7 +237,7 @@ def support_table(recipe: Recipe) -> list[tuple[str, Decision]]:
     for v in recipe.variants:
         imports = schemes.SCHEMES[v.scheme].imports_checkpoint
         example = imports and v.checkpoint.startswith("example:")
-        fmt = Format("wna16", v.kv_cache != "auto", "example RTN 4-bit") if example else variant_format(
+        fmt = Format("wna16", v.kv_cache != "auto", "example RTN 4-bit", legacy=True) if example else variant_format(
             v, Path(v.checkpoint) if imports else None)
         if fmt is None:
             platform = engine.capabilities().get("platform_name", recipe.engine.kind)

@@ -296,6 +296,8 @@ def score_items(suite, samples: list[dict], config: dict, tok, utils) -> tuple[l
             # the engine generated at most max_gen tokens; re-encoding its text can count more (a random or
             # byte-level model's pieces do not round-trip), so the count is capped at what was possible
             n_out = min(len(tok(text, add_special_tokens=False)["input_ids"]), max_gen)
+            if "strict_match" in s:  # gsm8k: lm-eval's strict-match beside its flexible-extract `correct`
+                row["strict_match"] = int(float(s["strict_match"]) >= 1.0)
             row.update(output=text, output_tokens=n_out, chance=0.0,
                        category=utils.failure_category(suite.name, doc, text, bool(correct), n_out, max_gen))
             if suite.kind == "gen":
@@ -331,6 +333,7 @@ def suite_quality(suite, rows: list[dict], metric: str, samples_file: str, sha: 
                                 chance=sum(r["chance"] for r in rs) / nn)
     return SuiteQuality(suite=suite.name, n=n, correct=k, accuracy=k / n if n else math.nan, ci_low=lo, ci_high=hi,
                         chance=chance, near_chance=lo <= chance, metric=metric, kind=suite.kind,
+                        pooled=suite.kind == "user" or suitetable.SUITES[suite.name].pooled,
                         categories=cats, slices=slices, samples_file=samples_file, samples_sha256=sha)
 
 

@@ -42,7 +42,7 @@ def load_rows(vdir: Path, quality: QualityResult, suite: str) -> dict[int, dict]
 def paired_slices(base_dir: Path, base_q: QualityResult, var_dir: Path, var_q: QualityResult,
                   samples: int, seed: int) -> list[PairedSlice]:
     """Per suite, per slice of each suite ('suite/dimension=value': category, context length, depth,
-    prompt-length bucket...), and 'overall' (all suites' items pooled). McNemar p-values are
+    prompt-length bucket...), and 'overall' (all suites' items pooled, a safety suite's refusals apart). McNemar p-values are
     Holm-adjusted across every suite and slice of the variant (the family it is judged on)."""
     pooled_b, pooled_v, near = [], [], []
     out = []
@@ -52,9 +52,10 @@ def paired_slices(base_dir: Path, base_q: QualityResult, var_dir: Path, var_q: Q
         b, v = load_rows(base_dir, base_q, suite), load_rows(var_dir, var_q, suite)
         ids = sorted(set(b) & set(v))
         bs, vs = [b[i]["correct"] for i in ids], [v[i]["correct"] for i in ids]
-        pooled_b += bs
-        pooled_v += vs
-        near.append(base_q.suites[suite].near_chance)
+        if base_q.suites[suite].pooled:
+            pooled_b += bs
+            pooled_v += vs
+            near.append(base_q.suites[suite].near_chance)
         out.append(_paired(suite, bs, vs, samples, seed, base_q.suites[suite].near_chance, suite))
         groups: dict[str, list[int]] = {}
         for i in ids:
@@ -189,7 +190,8 @@ def judge_gates(recipe, inp: metrics.Inputs) -> list[GateOutcome]:
     """Every gate of the recipe on one variant (each_suite expands to one gate per suite). A fail
     gate that could not be measured fails, unless this hardware cannot measure it (UNVERIFIED)."""
     return [_one_gate(g, scope, inp) for g in recipe.gates
-            for scope in (list(inp.quality.suites) if g.scope == "each_suite" else [g.scope])]
+            for scope in ([s for s, q in inp.quality.suites.items() if q.pooled] if g.scope == "each_suite"
+                          else [g.scope])]
 
 
 def verdict_of(gates: list[GateOutcome]) -> str:

@@ -113,6 +113,8 @@ def _common(recipe, weights_hash: str, dtype: str, options: dict, numerics: dict
     engine["variant_options"] = options  # interface.Launch.options(): what a variant changes on purpose
     engine["placement"] = kind.placement()
     engine["numerics_env"] = numerics if numerics is not None else kind.numerics_env()
+    if recipe.engine.kind == "transformers":  # the reference engine serving a run: its code made every number
+        engine["code"] = source_hash(*sorted((PIPELINE / "engines" / "transformers").rglob("*.py")))
     return {"weights": weights_hash, "engine": engine, "dtype": dtype,
             "engine_env": envs.requirements_file("engine").read_text(), "hardware": provenance.hardware()}
 

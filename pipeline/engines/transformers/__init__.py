@@ -40,6 +40,9 @@ def capabilities() -> dict:
 def decide(fmt, model_cfg: dict, caps: dict | None = None, dtype: str = "float32", activations: str = "auto"):
     if fmt.kv_fp8:
         return Decision("unsupported", "transformers", "FP8 KV cache: the reference engine keeps it in the engine dtype")
+    if fmt.legacy:
+        return Decision("unsupported", "transformers", f"{fmt.detail}: a GPTQ/AWQ-format checkpoint needs a kernel "
+                        "package the reference engine lacks")
     if fmt.weights not in LOADS:
         return Decision("unsupported", "transformers", f"{fmt.weights}: not a format the reference engine loads")
     if fmt.weights == "dense":

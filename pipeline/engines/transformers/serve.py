@@ -76,6 +76,15 @@ class Model:
         max_tokens = int(body.get("max_tokens") or 16)
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
+        k = max(1, int(body.get("logprobs") or 1))  # top-k log-probabilities per position, as vLLM returns them
+
+        def piece(t: int) -> str:  # "token_id:N" where asked (the drift suite), as vLLM's option does
+            return f"token_id:{int(t)}" if body.get("return_tokens_as_token_ids") else self._piece(t)
+
+        def top(row) -> dict:
+            vals, idx = torch.topk(row, k)
+            return {piece(int(a)): float(v) for v, a in zip(vals, idx, strict=True)}
+
         with torch.inference_mode():
             out = self.model(torch.tensor([ids]), use_cache=True)
             logp = torch.log_softmax(out.logits[0].float(), dim=-1)
@@ -89,8 +98,9 @@ class Model:
                 t = int(torch.argmax(last))
                 gen.append(t)
                 gen_lp.append(float(last[t]))
-                gen_top.append({self._piece(t): float(last[t])})
-                if t == self.tok.eos_token_id:
+                gen_top.append(top(last))
+                # the end of sequence, or a stop string that is a special token (decoding skips those)
+                if t == self.tok.eos_token_id or self._piece(t) in stop:
                     gen.pop(), gen_lp.pop(), gen_top.pop()
                     finish = "stop"
                     break
@@ -107,9 +117,8 @@ class Model:
         if body.get("logprobs") is not None:
             toks = ids + gen if body.get("echo") else gen
             lps = ([None] + [float(logp[j, ids[j + 1]]) for j in range(len(ids) - 1)] if body.get("echo") else [])
-            tops = ([None] + [{self._piece(int(a)): float(logp[j, int(a)])}
-                              for j, a in enumerate(torch.argmax(logp[:-1], dim=-1))] if body.get("echo") else [])
-            logprobs = {"tokens": [self._piece(t) for t in toks], "token_logprobs": lps + gen_lp,
+            tops = [None] + [top(logp[j]) for j in range(len(ids) - 1)] if body.get("echo") else []
+            logprobs = {"tokens": [piece(t) for t in toks], "token_logprobs": lps + gen_lp,
                         "top_logprobs": tops + gen_top}
         if body.get("echo"):
             text = self.tok.decode(ids) + text
