@@ -327,12 +327,12 @@ def test_matrix_cells_are_checked_against_max_model_len(tmp_path):
 
 @pytest.mark.parametrize("metric,scope,expect", [
     ("accuracy", "drift", "accuracy is judged on scored items; drift has none"),
-    ("accuracy_delta", "bigbench/categroy=navigate", "bigbench is sliced by category, prompt_len"),
-    ("accuracy_delta", "bigbench/category=navigat", "bigbench/category takes the values .*navigate"),
+    ("accuracy_delta", "bfcl/categroy=simple", "bfcl is sliced by category, prompt_len"),
+    ("accuracy_delta", "bfcl/category=simpl", "bfcl/category takes the values .*simple"),
     ("accuracy_delta", "needle/context=999 tok", "needle/context takes the values 128 tok, 256 tok"),
     ("accuracy_delta", "piqa/prompt_len=0-31", "piqa/prompt_len takes the values 0-31 tok"),
     ("accuracy", "mmlu", "'mmlu' is not a suite this recipe runs"),
-    ("accuracy_delta", "bigbench/category=navigate", None),
+    ("accuracy_delta", "bfcl/category=simple", None),
     ("accuracy_delta", "needle/depth=100%", None),
     ("accuracy", "piqa/prompt_len=64-127 tok", None),
     # a bucket no prompt can reach under max_model_len: it was accepted, and read N/A -> FAIL after the run
@@ -344,7 +344,7 @@ def test_matrix_cells_are_checked_against_max_model_len(tmp_path):
 def test_every_gate_scope_is_one_sign_off_can_judge(tmp_path, metric, scope, expect):
     """A scope validate accepts must be one the results will have: else N/A -> FAIL after the run."""
     d = base()
-    d["quality"] = {"suites": ["piqa", "bigbench", "needle", "drift"], "limit": 10,
+    d["quality"] = {"suites": ["piqa", "bfcl", "needle", "drift"], "limit": 10,
                     "needle": {"context_tokens": [128, 256], "depths": [0.0, 1.0], "per_cell": 1}}
     d["gates"] = [{"metric": metric, "scope": scope, "op": ">=", "threshold": -0.1}]
     d["engine"]["max_model_len"] = 2048

@@ -283,7 +283,7 @@ METRICS: dict[str, Metric] = {
         "quality", "fraction",
         "Variant minus baseline accuracy on the same items, 95% paired-bootstrap CI. "
         "A non-inferiority gate is `accuracy_delta >= -margin`, judged on the CI's lower bound. Scope may "
-        "also name one slice, e.g. `bigbench/category=navigate` or `needle/context=1024 tok`.",
+        "also name one slice, e.g. `mmlu/category=stem` or `needle/context=1024 tok`.",
         accuracy_delta, sliced=True, needs="items"),
     "refusal_rate_delta": Metric(
         "quality", "fraction",

@@ -37,10 +37,6 @@ def slice_values(recipe, suite: str, dim: str) -> set[str] | None:
         return {f"{int(d * 100)}%" for d in recipe.quality.needle.depths}
     if (suite, dim) in FIXED_SLICES:
         return set(FIXED_SLICES[suite, dim])
-    if suite == "bigbench" and dim == "category":
-        from pipeline.setup.assets import BIGBENCH_TASKS
-
-        return {t.split("/")[0] for t in BIGBENCH_TASKS}
     if suite == "bfcl" and dim == "category":
         return {"simple", "multiple", "irrelevance"}
     return None

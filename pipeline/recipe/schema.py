@@ -149,6 +149,8 @@ class DriftSpec(Strict):
 
 
 def _suite_name(s: str) -> str:
+    if s in suitetable.RETIRED:
+        raise ValueError(f"suite {s!r} is retired: {suitetable.RETIRED[s]}")
     if s not in suitetable.SUITES and not s.endswith((".yaml", ".yml")):
         raise ValueError(f"unknown suite {s!r}; builtin: {', '.join(suitetable.BUILTIN)}; or the path of an "
                          "lm-eval task .yaml")

