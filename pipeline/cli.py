@@ -7,6 +7,7 @@
                                     recipe's search section); exit 0 found, 1 none passed
     quantize-eval validate RECIPE   check a recipe without running anything
     quantize-eval report RUN_DIR    re-render report.html/results.json from a run folder
+                                    (--model-card: also model-card.md, the published cards' table)
     quantize-eval compare A B       what changed between two runs; exit 1 on a regression,
                                     3 when the runs are not like for like, or one is unfinished
                                     or lacks a variant or suite the other has
@@ -54,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
                        help="also say how this machine's engine would run each variant (asks the engine)")
     p_rep = sub.add_parser("report", help="re-render the report of a run folder")
     p_rep.add_argument("run_dir")
+    p_rep.add_argument("--model-card", action="store_true", help="also write RUN_DIR/model-card.md: per task, "
+                       "baseline, variant and recovery as model cards print them, with the paired interval and flips")
     p_cmp = sub.add_parser("compare", help="what changed between two runs, beyond noise")
     p_cmp.add_argument("run_a")
     p_cmp.add_argument("run_b")
@@ -97,6 +100,10 @@ def cmd_report(args) -> int:
 
     try:
         print(render_run(Path(args.run_dir)))
+        if args.model_card:
+            from reports.modelcard import write_model_card
+
+            print(write_model_card(Path(args.run_dir)))
     except ReportError as exc:
         return fail(str(exc))
     return 0
