@@ -310,3 +310,18 @@ def test_under_tensor_parallelism_the_budget_holds_the_whole_tree(tmp_path):
     need = int(str(exc.value).rsplit("(", 1)[1].split()[0])
     assert need == OVERHEAD["outside_bytes"] + 2 * (p.weights_bytes + 2**28 + capacity.layout(
         CFG, 4, block=128, tp=2).pool_for(512))
+
+
+def test_the_console_prints_the_peak_the_budget_is_judged_on():
+    """The stage's line must show the kernel's high-water mark (what the budget check reads), not the
+    sampled RSS sum, which counts a forked process's shared pages twice and read 0.2 GiB over it."""
+    from pipeline.results import Latency, Percentiles
+    from pipeline.stages.systems import summary
+
+    pct = Percentiles(p50=1.0, p95=1.0, p99=1.0)
+    lat = Latency(ttft_ms=pct, tpot_ms=pct, itl_ms=pct, e2e_ms=pct, completed=1, failed=0, timed_out=0,
+                  output_tokens=1, duration_s=1.0, output_tok_per_s=1.0, request_per_s=1.0)
+    kv = KVCapacity(block_size=128, num_blocks=1, tokens=128, max_concurrency=None, bytes_per_token_config=None)
+    s = SystemsResult(variant="v", input_hash="s", status="ok", duration_s=1.0, latency=lat, kv=kv,
+                      peak_memory_bytes=int(3.25 * 2**30), peak_memory_hwm_bytes=int(3.06 * 2**30))
+    assert summary(s).endswith("serving peak 3.06 GiB")
