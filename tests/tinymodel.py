@@ -54,3 +54,19 @@ def build_hybrid(out: Path, seed: int = 0) -> Path:
                            max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     assert cfg.layer_types.count("sliding_attention") == 5
     return _save(Gemma3ForCausalLM, cfg, seed, out)
+
+
+def build_qwen2_shape(out: Path, seed: int = 0) -> Path:
+    """Qwen2.5-0.5B's shapes (its published config: 24 layers, hidden 896, 14 query heads to 2 KV heads,
+    head_dim 64, MLP 4864, q/k/v biases, tied embeddings) with seeded random weights, its vocabulary cut to
+    the default model's 49,152-token tokenizer: a larger grouped-query architecture for capacity, where
+    only the shapes count (benchmarks/capacity.py --model gqa). About 0.36 B parameters."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                      rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return _save(Qwen2ForCausalLM, cfg, seed, out)

@@ -191,6 +191,13 @@ def verify(p: BudgetPlan, cfg: dict, kv_elem_bytes: int, tp: int, engine_block: 
         p.admitted = lay.admitted(p.pool_bytes, seq_len)
 
 
+def pool_at(budget_bytes: int, outside_bytes: int, non_kv_bytes: int, tp: int = 1) -> int:
+    """The KV pool (per rank) an engine sizing itself to this budget gets, by the arithmetic: the budget less
+    what runs outside its sizing, per rank, less what its worker held besides the pool (read back from one
+    engine of this variant). benchmarks/capacity.py --sweep checks it against engines at other budgets."""
+    return (budget_bytes - outside_bytes) // tp - non_kv_bytes
+
+
 SWEEP = (0.5, 0.75, 1.0, 1.5, 2.0)  # budgets drawn, as multiples of the run's
 
 
@@ -211,7 +218,7 @@ def across_budgets(p: BudgetPlan, cfg: dict, kv_elem_bytes: int, tp: int, seq_le
     for b in budgets:
         if b < smallest:
             continue
-        pool = p.pool_bytes if b == p.budget_bytes else (b - p.outside_bytes) // tp - non_kv
+        pool = p.pool_bytes if b == p.budget_bytes else pool_at(b, p.outside_bytes, non_kv, tp)
         out.append({"budget_bytes": b, "pool_bytes": pool, "tokens": lay.tokens(pool),
                     "requests": lay.admitted(pool, seq_len), "measured": b == p.budget_bytes})
     return out
