@@ -163,6 +163,27 @@ def definition_hash(suite: Suite) -> str:
     return h.hexdigest()
 
 
+# the builtin suites whose prompts render() builds through the model's own chat template (the template itself
+# is in the tokenizer files, so model.tokenizer_sha256 pins it); the rest are lm-eval's plain prompts
+CHAT_TEMPLATE = ("asdiv", "gsm8k", "bfcl", "needle", "harmbench")
+
+
+def settings(suite: Suite) -> dict:
+    """What makes two runs' scores of this suite comparable, for the manifest (`compare` calls any difference
+    not like for like): its task definition's hash, the output type, few-shot count (every lm-eval call of
+    the quality stage is zero-shot), whether the prompt goes through the chat template, the stop strings,
+    max_gen_toks and the other generation settings, and the data's pin."""
+    cfg = read_task_yaml(suite.yaml_path) if suite.yaml_path is not None else {}
+    gen = dict(cfg.get("generation_kwargs") or {})
+    out = {"kind": suite.kind, "definition": definition_hash(suite), "output_type": cfg.get("output_type"),
+           "num_fewshot": 0, "chat_template": suite.kind != "user" and suite.name in CHAT_TEMPLATE,
+           "until": list(gen.pop("until", None) or []), "max_gen_toks": gen.pop("max_gen_toks", None),
+           "generation": gen}
+    if suite.name in suitetable.EXTRACTED and suite.kind != "user":
+        out["data"] = assets.data_version(suite.name)
+    return out
+
+
 def bucket(tokens: int) -> str:
     lo = 0
     for hi in BUCKETS:

@@ -3,7 +3,8 @@
     quantize-eval compare RUN_A RUN_B
 
 Over each run's results.json and per-item samples. First it says whether the runs are comparable
-at all (model weights, tokenizer, engine arguments, engine dtype, library versions, hardware);
+at all (model weights, tokenizer, engine arguments, engine dtype, each suite's settings: task definition,
+chat template, few-shot count, stop strings, max_gen_toks, data pin; library versions, hardware);
 then, per variant present in both:
   quality   paired item by item when both runs scored the same items (exact McNemar on the flips,
             95% paired CI of the delta: a regression when the whole CI is below zero); otherwise it
@@ -187,6 +188,19 @@ def missing(a_dir: Path, b_dir: Path, a: dict, b: dict) -> list[str]:
     return out
 
 
+def suite_diffs(ma: dict, mb: dict) -> list[str]:
+    """Each setting of a suite both runs scored that differs (suites.settings: the task definition, chat
+    template, few-shot count, stop strings, max_gen_toks, generation settings, the data's pin), by name. A run
+    that does not record them (written before they were) cannot be shown to match, so it does not."""
+    sa, sb = ma.get("suites"), mb.get("suites")
+    if sa is None and sb is None:
+        return []
+    if sa is None or sb is None:
+        return [f"suites (run {'A' if sa is None else 'B'} does not record its suites' settings)"]
+    return [f"suites.{name}.{field}" for name in sorted(set(sa) & set(sb))
+            for field in sorted(set(sa[name]) | set(sb[name])) if sa[name].get(field) != sb[name].get(field)]
+
+
 def compare(a_dir: Path, b_dir: Path) -> tuple[list[str], bool, bool, list[str]]:
     """Lines to print, whether anything regressed beyond noise, whether like for like, and what one side
     lacks (each a reason the comparison is incomplete)."""
@@ -195,8 +209,9 @@ def compare(a_dir: Path, b_dir: Path) -> tuple[list[str], bool, bool, list[str]]
     absent = missing(a_dir, b_dir, a, b)
     lines += [f"CANNOT COMPARE: {m}" for m in absent]
     diffs = [".".join(k) for k in PROVENANCE_KEYS if _get(a["manifest"], k) != _get(b["manifest"], k)]
+    diffs += suite_diffs(a["manifest"], b["manifest"])
     lines.append("NOT LIKE FOR LIKE: the runs differ in " + ", ".join(diffs) + " — deltas below mix causes" if diffs
-                 else "same weights, tokenizer, engine arguments, dtype, versions and hardware"
+                 else "same weights, tokenizer, engine arguments, dtype, suite settings, versions and hardware"
                  + ("" if absent else ": comparable"))
     regressed = False
     for name in a["variants"]:

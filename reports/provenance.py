@@ -66,6 +66,19 @@ def computed_as(sup: dict) -> str:
     return f"{sup['compute']} ({sup.get('activations')} activations" + (f"; {env})" if env else ")")
 
 
+def _suite_text(s: dict) -> str:
+    """One suite's comparability settings (pipeline/suites.settings), as compare checks them."""
+    parts = [s.get("output_type") or s.get("kind", "?"), f"{s.get('num_fewshot', 0)}-shot",
+             "chat template" if s.get("chat_template") else "plain prompt"]
+    if s.get("until"):
+        parts.append("stop " + json.dumps(s["until"]))
+    if s.get("max_gen_toks"):
+        parts.append(f"max_gen_toks {s['max_gen_toks']}")
+    if s.get("generation"):
+        parts.append(json.dumps(s["generation"]))
+    return ", ".join(parts) + (f"; data {s['data']}" if s.get("data") else "") + f"; definition {s['definition'][:12]}"
+
+
 def _run_rows(m: dict) -> list[list[str]]:
     return [["recipe", escape(f"{m['recipe_name']} ({m['recipe_file']}), sha256 {m['recipe_hash'][:16]}…")],
             ["model", escape(m["model_dir"])],
@@ -76,6 +89,7 @@ def _run_rows(m: dict) -> list[list[str]]:
             ["engine args", f"<code>{escape(json.dumps(m['recipe']['engine']))}</code>"],
             ["versions", escape(", ".join(f"{k} {v}" for k, v in m["versions"].items()))],
             ["hardware", escape(json.dumps(m["hardware"]))],
+            *[[f"suite {name}", escape(_suite_text(s))] for name, s in (m.get("suites") or {}).items()],
             ["started / finished (UTC)", escape(f"{m.get('started_utc')} / {m.get('finished_utc', '–')}")]]
 
 

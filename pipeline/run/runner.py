@@ -23,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline import schemes
+from pipeline import schemes, suites
 from pipeline.engines import formats, interface
 from pipeline.engines.formats import Decision, Format
 from pipeline.measure import membudget, overhead
@@ -364,6 +364,7 @@ def start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, d
         "engine_numerics_env": interface.kind(recipe.engine.kind).numerics_env(),
         "model_note": assets.MODEL_NOTES.get(recipe.model.builtin or "", ""),
         "versions": provenance.versions(), "hardware": provenance.hardware(),
+        "suites": {s.name: suites.settings(s) for s in suites.resolve(recipe.quality.suites)},
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     write_json(run_dir.manifest, manifest)
