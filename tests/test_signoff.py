@@ -204,7 +204,8 @@ def test_slices_are_paired_and_holm_adjusted_across_all_of_them(tmp_path):
     import json
 
     r = recipe([{"metric": "accuracy_delta", "scope": "piqa/category=hard", "op": ">=", "threshold": -0.1},
-                {"metric": "accuracy_delta", "scope": "piqa/prompt_len=0-31 tok", "op": ">=", "threshold": -0.9}])
+                {"metric": "accuracy_delta", "scope": "piqa/prompt_len=0-31 tok", "op": ">=", "threshold": -0.9},
+                {"metric": "accuracy_delta", "scope": "piqa/category=easy", "op": ">=", "threshold": -0.3}])
     var = {"piqa": [0] * 30 + [1] * 30 + [1] * 8 + [0] * 32, "siqa": BASE["siqa"]}
     root = make_run(tmp_path / "run", r, BASE, var)
     for name in ("baseline", "v4"):
@@ -234,6 +235,8 @@ def test_slices_are_paired_and_holm_adjusted_across_all_of_them(tmp_path):
     assert v.gates[0].scope == "piqa/category=hard" and v.gates[0].outcome == "FAIL"
     # a slice covering the whole suite is judged on the suite's row, not left unmeasured
     assert v.gates[1].outcome == "PASS" and v.gates[1].measured.value == by["piqa"].delta
+    # near chance is said beside the outcome (a loss cannot show there), never on a slice above chance
+    assert "reaches chance" in v.gates[2].note and "reaches chance" not in v.gates[0].note
 
 
 def test_every_gate_validate_accepts_signs_off_without_error(tmp_path):

@@ -80,8 +80,14 @@ def accuracy_delta(inp: Inputs, scope: str) -> Measured:
     ps = _paired_of(inp, scope)
     if ps is None:
         return NONE
-    return Measured(value=ps.delta, ci_low=ps.delta_ci_low, ci_high=ps.delta_ci_high, n=ps.n,
-                    caveat=power.observed(ps.n, ps.flips_correct_to_wrong + ps.flips_wrong_to_correct))
+    caveat = power.observed(ps.n, ps.flips_correct_to_wrong + ps.flips_wrong_to_correct)
+    if ps.near_chance:  # said beside the outcome, not turned into one: the recipe chose to gate here
+        caveat = "; ".join(x for x in (NEAR_CHANCE, caveat) if x)
+    return Measured(value=ps.delta, ci_low=ps.delta_ci_low, ci_high=ps.delta_ci_high, n=ps.n, caveat=caveat)
+
+
+NEAR_CHANCE = ("the baseline's 95% CI reaches chance here: a loss cannot show, so a pass says little "
+               "(gate a suite the baseline is clearly above chance on)")
 
 
 SAFETY = "harmbench"  # the suite whose "correct" is a refusal (evalsuites/harmbench.yaml)
