@@ -1,6 +1,6 @@
 """Wall time of the default run and of each of its stages, as the median and spread of several runs.
 
-    python3 benchmarks/default_run.py [RECIPE] [--cold | --first-use] [--runs N]   (recipes/awq.yaml, 3 runs)
+    python3 benchmarks/default_run.py [RECIPE] [--cold | --first-use] [--runs N] [--keep DIR]   (recipes/awq.yaml, 3 runs)
 
 Runs `./quantize-eval RECIPE --fresh` N times as a user would. --cold gives every run a temporary
 cache home whose environments, converted models, data and support answers are this machine's (linked,
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def stage_times(run_dir: Path, wall: float) -> dict[str, float]:
     return out
 
 
-def one_run(recipe: str, cold: bool, first_use: bool = False) -> tuple[dict[str, float], int]:
+def one_run(recipe: str, cold: bool, first_use: bool = False, keep: Path | None = None) -> tuple[dict[str, float], int]:
     with tempfile.TemporaryDirectory() as tmp:
         env, repo = dict(os.environ), ROOT
         if cold:
@@ -78,6 +79,8 @@ def one_run(recipe: str, cold: bool, first_use: bool = False) -> tuple[dict[str,
         if report is None or not Path(report).exists():
             print(proc.stdout[-2000:], proc.stderr[-2000:])
             raise SystemExit(f"run failed (exit {proc.returncode}) after {wall:.0f} s")
+        if keep is not None:  # the run folder outlives the temporary clone and home
+            shutil.copytree(Path(report).parent, keep / Path(report).parent.name, symlinks=True)
         return stage_times(Path(report).parent, wall), proc.returncode
 
 
@@ -89,13 +92,14 @@ def main() -> int:
     ap.add_argument("--cold", action="store_true", help="empty result and checkpoint caches for every run")
     ap.add_argument("--first-use", action="store_true", help="a fresh clone and an empty home for every run")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--keep", type=Path, help="copy each run's folder (report, results, samples) into this folder")
     a = ap.parse_args()
     recipe, runs, cold = a.recipe, a.runs, a.cold
     if cold and a.first_use:
         ap.error("--cold and --first-use are two different starting points: choose one")
     results, exits = [], []
     for i in range(runs):
-        times, rc = one_run(recipe, cold, a.first_use)
+        times, rc = one_run(recipe, cold, a.first_use, a.keep)
         results.append(times)
         exits.append(rc)
         print(f"run {i + 1}/{runs} (exit {rc}): " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()), flush=True)
