@@ -75,12 +75,12 @@ def one_start(model: Path, tmp: Path, fork: bool, i: int) -> dict:
 
 
 def models(names: list[str], tmp: Path) -> dict[str, Path]:
-    from pipeline.setup import assets
+    from pipeline.setup import models
     from tests import tinymodel
 
     out = {}
     for n in names:
-        out[n] = tinymodel.build(tmp / "tiny", seed=0) if n == "tiny" else assets.builtin_model("smollm2-135m-instruct")
+        out[n] = tinymodel.build(tmp / "tiny", seed=0) if n == "tiny" else models.builtin_model("smollm2-135m-instruct")
     return out
 
 

@@ -44,7 +44,7 @@ reexec_under_engine_env(__file__)
 from pipeline import suites  # noqa: E402
 from pipeline.engines.interface import free_port  # noqa: E402
 from pipeline.engines.workers.quantize_worker import build_recipe  # noqa: E402
-from pipeline.setup import assets, envs  # noqa: E402
+from pipeline.setup import assets, envs, models  # noqa: E402
 from pipeline.store import provenance  # noqa: E402
 
 QUANTIZE_SCRIPT = """import json, sys
@@ -155,7 +155,7 @@ def serve_and_bench(engine_py: Path, model: Path, work: Path, tag: str, env: dic
 
 def by_hand(scheme: str, items: int, work: Path) -> tuple[float, int]:
     engine_py, quant_py = envs.ensure("engine"), envs.ensure("quantize")
-    model = assets.builtin_model("smollm2-135m-instruct")
+    model = models.builtin_model("smollm2-135m-instruct")
     tasks = work / "tasks"
     suites.render(suites.resolve(["piqa"])[0], tasks, None, None, None)  # all items; lm-eval's limit cuts
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",

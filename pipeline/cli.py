@@ -110,9 +110,9 @@ def cmd_report(args) -> int:
 
 
 def _model_dir(recipe) -> Path:
-    from pipeline.setup import assets
+    from pipeline.setup import models
 
-    return assets.builtin_model_dir(recipe.model.builtin) if recipe.model.builtin else Path(recipe.model.path).resolve()
+    return models.model_dir(recipe.model.builtin) if recipe.model.builtin else Path(recipe.model.path).resolve()
 
 
 def cmd_validate(args, recipe) -> int:

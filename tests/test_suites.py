@@ -13,7 +13,7 @@ import yaml
 from pipeline import suites
 from pipeline.measure import drift
 from pipeline.recipe.schema import Recipe, RecipeError, load
-from pipeline.setup import assets
+from pipeline.setup import assets, models
 
 U = suites.utils_module()
 
@@ -112,7 +112,7 @@ def test_bucket_edges():
 def tok():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(assets.builtin_model("smollm2-135m-instruct"))
+    return AutoTokenizer.from_pretrained(models.builtin_model("smollm2-135m-instruct"))
 
 
 def test_needle_items_have_exact_haystacks_and_the_needle(tok):

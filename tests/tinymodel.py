@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from pipeline.setup import assets
+from pipeline.setup import models
 from pipeline.store.provenance import TOKENIZER_FILES
 
 
@@ -35,7 +35,7 @@ def _save(model_class, cfg, seed: int, out: Path) -> Path:
     model = model_class(cfg).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    tok_src = assets.builtin_model("smollm2-135m-instruct")
+    tok_src = models.builtin_model("smollm2-135m-instruct")
     for name in TOKENIZER_FILES:
         if (tok_src / name).exists():
             shutil.copy(tok_src / name, out / name)

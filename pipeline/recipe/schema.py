@@ -25,15 +25,16 @@ from pipeline.recipe.serving import DEFAULT_BUDGET_GIB as DEFAULT_BUDGET_GIB  # 
 from pipeline.recipe.serving import CellSpec as CellSpec  # re-exported
 from pipeline.recipe.serving import EngineSpec, Strict, WorkloadSpec
 from pipeline.schemes import W4_SCHEMES as W4_SCHEMES  # re-exported: the schemes that take a group_size
+from pipeline.setup.models import BUILTIN as BUILTIN_MODELS
 
-BUILTIN_MODELS = ("smollm2-135m-instruct",)
 BUILTIN_CALIBRATION = ("xsum",)
 NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 
 
 class ModelSpec(Strict):
     builtin: Literal[BUILTIN_MODELS] | None = Field(  # type: ignore[valid-type]
-        None, description="A model the pipeline provides offline (converted once, cached).")
+        None, description="A model the pipeline provides offline (converted once, cached): smollm2-135m-instruct "
+        "(the default), or gemma3-270m (a second architecture: Gemma 3 base, sliding-window layers, Gemma terms).")
     path: str | None = Field(None, description="A local Hugging Face model directory instead.")
     trust_remote_code: bool = Field(
         False, description="Run code shipped in the model directory. Off unless set here.")

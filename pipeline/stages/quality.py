@@ -9,6 +9,7 @@ Drift sends each window of the essay corpus once for its logprobs (pipeline/meas
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -246,12 +247,20 @@ def local_completions(model_args: dict):
 
 def lm_eval_model_args(server: Engine, model_dir: Path, recipe) -> dict:
     """lm-eval's local-completions against the pipeline's server; the fidelity test gives the
-    lm_eval CLI exactly these."""
+    lm_eval CLI exactly these. Requests start with <bos> where the model's tokenizer puts one."""
     q = recipe.quality
     return dict(model=server.served_name, base_url=server.base_url + "/v1/completions",
                 tokenizer=str(model_dir), tokenizer_backend="huggingface",
                 tokenized_requests=True, num_concurrent=q.num_concurrent, batch_size=q.batch_size,
-                max_retries=2, max_length=recipe.engine.max_model_len, timeout=600)
+                max_retries=2, max_length=recipe.engine.max_model_len, timeout=600,
+                add_bos_token=_adds_bos(str(model_dir), recipe.model.trust_remote_code))
+
+
+@functools.lru_cache(maxsize=8)
+def _adds_bos(model_dir: str, trust_remote_code: bool) -> bool:
+    from transformers import AutoTokenizer
+
+    return suites.bos_prefix(AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)) is not None
 
 
 def _first(x):
@@ -348,6 +357,8 @@ def suite_quality(suite, rows: list[dict], metric: str, samples_file: str, sha: 
 
 def run_drift(server: Engine, tok, spec, vdir: Path, label: str = "") -> DriftQuality:
     windows = drift.windows_from_ids(suites.essay_ids(tok), spec.windows, spec.window_tokens)
+    if (bos := suites.bos_prefix(tok)) is not None:  # as the model is served: its <bos> first, same length
+        windows = [[bos] + w[:-1] for w in windows]
     with Progress("drift", len(windows), "windows", label) as bar:
         rows = drift.score_windows(server.port, server.served_name, windows, spec.top_k, on_done=bar.advance)
     path = vdir / "samples" / "drift.jsonl"

@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from pipeline.engines.workers import gguf_tokenizer
+
 
 def convert(gguf_file: Path, out_dir: Path) -> None:
     import torch
@@ -19,6 +21,14 @@ def convert(gguf_file: Path, out_dir: Path) -> None:
 
     src, name = str(gguf_file.parent), gguf_file.name
     tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    if gguf_tokenizer.needs_rebuild(gguf_file):
+        from transformers import PreTrainedTokenizerFast
+
+        built, special = gguf_tokenizer.build(gguf_file)
+        tok = PreTrainedTokenizerFast(tokenizer_object=built, bos_token=special.get("bos"),
+                                      eos_token=special.get("eos"), unk_token=special.get("unknown"),
+                                      pad_token=special.get("padding"), chat_template=tok.chat_template)
+    check_tokenizer(tok)
     loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     config = AutoConfig.from_pretrained(src, gguf_file=name)
     if hasattr(config, "quantization_config"):
@@ -34,6 +44,20 @@ def convert(gguf_file: Path, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     fresh.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
+
+
+SENTENCE = "The capital of France is Paris, and the river that runs through it is the Seine."
+
+
+def check_tokenizer(tok) -> None:
+    """A tokenizer that splits plain English into single characters was built wrong (transformers reads
+    some GGUF tokenizers so): the model it would serve answers garbage, so the conversion stops here."""
+    ids = tok(SENTENCE).input_ids
+    if len(ids) > len(SENTENCE) / 2:
+        raise SystemExit(f"GGUF conversion: the tokenizer splits a plain sentence into {len(ids)} tokens "
+                         f"({len(SENTENCE)} characters): it was not rebuilt correctly from the GGUF")
+    if tok.decode(ids, skip_special_tokens=True).strip() != SENTENCE:
+        raise SystemExit("GGUF conversion: the tokenizer does not decode a plain sentence back to itself")
 
 
 if __name__ == "__main__":
