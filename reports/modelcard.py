@@ -22,6 +22,7 @@ from reports.view import Run, read_run
 TASK_NAMES = {"arc_challenge": "ARC-Challenge", "arc_easy": "ARC-Easy", "hellaswag": "HellaSwag", "mmlu": "MMLU",
               "gsm8k": "GSM8K", "piqa": "PIQA", "siqa": "SIQA", "openbookqa": "OpenBookQA",
               "commonsenseqa": "CommonsenseQA", "asdiv": "ASDiv", "bfcl": "BFCL", "needle": "Needle in a haystack",
+              "winogrande": "Winogrande",
               "harmbench": "HarmBench (refusal rate)"}
 NEAR_CHANCE = "†"
 
@@ -58,22 +59,37 @@ def _scheme(run: Run, name: str) -> str:
 
 def variant_table(run: Run, name: str) -> list[str]:
     paired = run.paired(name)
-    rows = [p for s, p in paired.items() if "/" not in s and s != "overall"]
+    rows = []
+    for s, p in paired.items():
+        if "/" not in s and s != "overall":
+            # long-context retrieval by length, under its task: where a quantized model loses it first
+            rows += [p] + sorted((x for k, x in paired.items() if k.startswith(f"{s}/{LENGTH_SLICE}=")),
+                                 key=lambda x: _tokens(x.slice))
     if not rows:
         return []
     head = ["Task", "Metric", "n", "Baseline", name, "Recovery", "Δ, 95% CI (paired)", "Flips ✓→✗ / ✗→✓",
             "McNemar p (Holm)"]
     out = ["| " + " | ".join(_cell(h) for h in head) + " |", "|" + "---|" * len(head)]
     for p in rows + ([paired["overall"]] if "overall" in paired else []):
+        suite, _, part = p.slice.partition("/")
         task = ("All scored items, pooled" if p.slice == "overall"
-                else TASK_NAMES.get(p.slice, p.slice) + (f" {NEAR_CHANCE}" if p.near_chance else ""))
+                else (f"↳ {part.split('=', 1)[1]} context" if part else TASK_NAMES.get(suite, suite))
+                + (f" {NEAR_CHANCE}" if p.near_chance else ""))
         recovery = f"{100 * p.var_acc / p.base_acc:.1f}%" if p.base_acc > 0 else "—"
         holm = p.mcnemar_p_holm if p.mcnemar_p_holm is not None else p.mcnemar_p
         out.append("| " + " | ".join(_cell(c) for c in (
-            task, "" if p.slice == "overall" else _metric(run, p.slice), str(p.n), _pct(p.base_acc),
+            task, "" if p.slice == "overall" else _metric(run, p.suite or p.slice), str(p.n), _pct(p.base_acc),
             _pct(p.var_acc), recovery, f"{_signed(p.delta)} [{_signed(p.delta_ci_low)}, {_signed(p.delta_ci_high)}]",
             f"{p.flips_correct_to_wrong} / {p.flips_wrong_to_correct}", f"{holm:.3g}")) + " |")
     return out
+
+
+LENGTH_SLICE = "context"  # the needle suite's slice by haystack length (pipeline/suites.py)
+
+
+def _tokens(slice_name: str) -> int:
+    digits = "".join(ch for ch in slice_name.split("=", 1)[1] if ch.isdigit())
+    return int(digits or 0)
 
 
 def _drift_line(run: Run, name: str) -> str:

@@ -63,3 +63,27 @@ def test_report_writes_it_from_the_command_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pipeline.cli", "report", str(tmp_path / "nope"), "--model-card"],
                        cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and "run folder not found" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_long_context_retrieval_is_shown_by_length_under_its_task(tmp_path):
+    """The needle task's rows by haystack length, shortest first, each with its own paired interval: the
+    card says where retrieval breaks, not only that the average moved."""
+    r = recipe([{"metric": "accuracy_delta", "op": ">=", "threshold": -0.05}])
+    lengths = ["1792 tok", "256 tok", "1024 tok"] * 20  # items interleaved by length, as the suite builds them
+    base = {"needle": [1] * 60, "piqa": [1] * 60 + [0] * 40}
+    var = {"needle": [0 if x == "1792 tok" else 1 for x in lengths], "piqa": base["piqa"]}
+    root = make_run(tmp_path / "run", r, base, var)
+    for name in ("baseline", "v4"):
+        path = root / name / "samples" / "needle.jsonl"
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        for x in rows:
+            x["slices"] = {"context": lengths[x["doc_id"]]}
+        path.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    write_json(root / "signoff.json", signoff(r, "h", root, load_results(root)))
+    md = write_model_card(root).read_text()
+    names = [line.strip("|").split(" | ")[0].strip() for line in md.splitlines() if line.startswith("| ")]
+    at = names.index("Needle in a haystack")
+    assert names[at + 1:at + 4] == ["↳ 256 tok context", "↳ 1024 tok context", "↳ 1792 tok context"]
+    rows = _rows(md)
+    assert rows["↳ 1792 tok context"][2:6] == ["20", "100.00", "0.00", "0.0%"]
+    assert rows["↳ 256 tok context"][5] == "100.0%" and rows["Needle in a haystack"][2] == "60"
