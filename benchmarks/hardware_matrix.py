@@ -1,10 +1,12 @@
 """Every scheme of recipes/matrix.yaml on this machine, at small sizes, recorded as dated rows.
 
-    python3 benchmarks/hardware_matrix.py [--no-write] [--strict]
+    python3 benchmarks/hardware_matrix.py [--no-write] [--strict] [--no-fp8-model]
 
 Runs the matrix (the default model; PIQA 50 items; 8 requests of 128 + 32 tokens at concurrency
-2; 4 x 128 calibration tokens) through `./quantize-eval` in a temporary folder, prints one row
-per scheme (native / emulated / SKIPPED and why, whether it loaded and served, output tokens/s,
+2; 4 x 128 calibration tokens) through `./quantize-eval` in a temporary folder, then its FP8 variants
+again on gemma3-270m, whose Linear shapes tile 128x128 FP8 blocks (the default model's 576 does not, so
+its FP8 block rows are SKIPPED on every kind for the shape alone); prints one row per scheme
+(native / emulated / SKIPPED and why, whether it loaded and served, output tokens/s,
 KV tokens, PIQA accuracy) and appends them, stamped with the date, CPU model, ISA flags and the
 vLLM build, to docs/measured-hardware.md. Run it on each kind of machine a session lands on
 whose rows are missing or stale; the README's support matrix cites these rows. --strict: exit 1 when a
@@ -31,9 +33,16 @@ DOC = ROOT / "docs" / "measured-hardware.md"
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8", "amx_fp8")
 
 
-def small_matrix(out: Path) -> Path:
+FP8_MODEL = "gemma3-270m"  # a builtin model whose every Linear tiles 128x128 blocks
+
+
+def small_matrix(out: Path, fp8_model: str | None = None) -> Path:
     r = yaml.safe_load((ROOT / "recipes" / "matrix.yaml").read_text())
     r.update(name="hardware-matrix", runs_dir=str(out / "runs"), gates=[], objective="best_quality")
+    if fp8_model:  # the FP8 weight and KV schemes only, on a model whose shapes they tile
+        r.update(name="hardware-matrix-fp8", model={"builtin": fp8_model})
+        r["variants"] = [v for v in r["variants"] if v["scheme"].startswith("fp8") or v.get("kv_cache", "auto") != "auto"
+                         and v["scheme"] == "none"]
     r["calibration"].update(num_samples=4, max_seq_len=128)
     r["quality"] = {"suites": ["piqa"], "limit": 50}
     r["workload"] = {"prompt_tokens": 128, "output_tokens": 32, "concurrency": 2, "num_requests": 8,
@@ -77,39 +86,53 @@ def failures(table: list[list[str]]) -> list[str]:
     return [r[0] for r in table if r[3].startswith("FAILED") or r[4].startswith(("NO", "failed"))]
 
 
-def main() -> int:
-    write = "--no-write" not in sys.argv
-    with tempfile.TemporaryDirectory() as tmp:
-        recipe = small_matrix(Path(tmp))
-        t0 = time.perf_counter()
-        proc = subprocess.run([str(ROOT / "quantize-eval"), str(recipe)], cwd=tmp, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-        run = next((Path(tmp) / "runs").glob("hardware-matrix-*"), None)
-        if run is None or not (run / "results.json").exists():
-            print(proc.stdout[-3000:], proc.stderr[-3000:])
-            return 1
-        manifest = json.loads((run / "manifest.json").read_text())
-        table = rows(run)
+def measure(tmp: Path, fp8_model: str | None = None) -> tuple[str, list[list[str]], int] | None:
+    """One matrix run: its section's text, its rows and the run's exit code (None when it left no results)."""
+    recipe = small_matrix(tmp, fp8_model)
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(ROOT / "quantize-eval"), str(recipe)], cwd=tmp, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    run = next((tmp / "runs").glob(f"{yaml.safe_load(recipe.read_text())['name']}-2*"), None)
+    if run is None or not (run / "results.json").exists():
+        print(proc.stdout[-3000:], proc.stderr[-3000:])
+        return None
+    manifest = json.loads((run / "manifest.json").read_text())
+    table = rows(run)
     model, flags = cpu()
     vllm = next((f"{k} {v}" for k, v in manifest["versions"].items() if k.startswith("vllm")), "vllm ?")
+    what = (f"FP8 schemes on {fp8_model} (its Linear shapes tile 128x128 blocks)" if fp8_model
+            else "every scheme on the default model")
     head = (f"\n## {time.strftime('%Y-%m-%d')}: {model} ({flags}; kind {manifest['hardware'].get('kind', '?')}), {vllm}, "
-            f"engine dtype {manifest['engine_dtype']}\n\n"
+            f"engine dtype {manifest['engine_dtype']}: {what}\n\n"
             f"`python3 benchmarks/hardware_matrix.py`, {wall:.0f} s wall, exit {proc.returncode}. "
             "PIQA 50 items (±0.13 at 95%: tells broken from working, not small differences).\n\n"
             "| variant | here | computed as | served | second engine agrees | output tok/s | KV tokens | PIQA acc "
             "| engine support says |\n|---|---|---|---|---|---|---|---|---|\n")
-    text = head + "".join("| " + " | ".join(r) + " |\n" for r in table)
-    print(text)
+    return head + "".join("| " + " | ".join(r) + " |\n" for r in table), table, proc.returncode
+
+
+def main() -> int:
+    write = "--no-write" not in sys.argv
+    sections = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for fp8_model in [None] + ([] if "--no-fp8-model" in sys.argv else [FP8_MODEL]):
+            got = measure(Path(tmp), fp8_model)
+            if got is None:
+                return 1
+            sections.append(got)
+    for text, _, _ in sections:
+        print(text)
     if write:
         if not DOC.exists():
             DOC.write_text("# Measured hardware\n\nRows appended by `benchmarks/hardware_matrix.py`, one section per "
                            "machine and date: what each scheme of `recipes/matrix.yaml` did on that CPU kind.\n")
         with open(DOC, "a") as f:
-            f.write(text)
+            f.write("".join(text for text, _, _ in sections))
         print(f"appended to {DOC}")
-    bad = failures(table)
-    if "--strict" in sys.argv and (bad or proc.returncode not in (0, 1, 4, 5)):  # any verdict
-        print(f"--strict: failed or disagreeing: {', '.join(bad) or 'none'}; quantize-eval exit {proc.returncode}")
+    bad = [x for _, table, _ in sections for x in failures(table)]
+    codes = [rc for *_, rc in sections]
+    if "--strict" in sys.argv and (bad or any(rc not in (0, 1, 4, 5) for rc in codes)):  # any verdict
+        print(f"--strict: failed or disagreeing: {', '.join(bad) or 'none'}; quantize-eval exit {codes}")
         return 1
     return 0
 
