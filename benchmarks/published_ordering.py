@@ -43,8 +43,8 @@ VARIANTS = [{"name": "w8a8-int8", "scheme": "w8a8_int8"},
             {"name": "fp8-block", "scheme": "fp8_block"}]
 
 
-def recipe(model: str, limit: int, engine: str, variants: list[dict]) -> dict:
-    return {"schema_version": 1, "name": f"ordering-{model}", "model": {"builtin": model},
+def recipe(model: str, limit: int, engine: str, variants: list[dict], runs_dir: Path) -> dict:
+    return {"schema_version": 1, "name": f"ordering-{model}", "model": {"builtin": model}, "runs_dir": str(runs_dir),
             "engine": {"kind": engine, "max_model_len": 2048, "max_num_seqs": 16},
             "calibration": {"num_samples": 16, "max_seq_len": 256}, "variants": variants,
             "quality": {"suites": [*TASKS, "drift"], "limit": limit, "limits": {"mmlu": min(limit, 57 * 2)},
@@ -69,11 +69,11 @@ def support(path: Path) -> dict[str, str]:
 def plan(model: str, limit: int, tmp: Path) -> dict:
     """The recipe this kind can run: FP8 only where native; the reference engine where INT8 is not native."""
     path = tmp / f"ordering-{model}.yaml"
-    path.write_text(yaml.safe_dump(recipe(model, limit, "vllm", VARIANTS)))
+    path.write_text(yaml.safe_dump(recipe(model, limit, "vllm", VARIANTS, tmp)))
     modes = support(path)
     variants = [v for v in VARIANTS if v["name"] != "fp8-block" or modes.get("fp8-block") == "native"]
     engine = "vllm" if modes.get("w8a8-int8") == "native" else "transformers"
-    return recipe(model, limit, engine, variants)
+    return recipe(model, limit, engine, variants, tmp)
 
 
 def summarize(run_dir: Path) -> dict:
@@ -130,12 +130,12 @@ def main() -> int:
         proc = subprocess.run([str(ROOT / "quantize-eval"), str(path), "--fresh", "--quiet"], cwd=ROOT,
                               capture_output=True, text=True)
         wall = time.perf_counter() - t0
-        report = next((ln.split(":", 1)[1].strip() for ln in proc.stdout.splitlines() if ln.startswith("report:")),
-                      None)
-        if report is None:
+        results = next((ln.split(":", 1)[1].strip() for ln in proc.stdout.splitlines() if ln.startswith("results:")),
+                       None)  # the run folder's results.json, printed whether or not the page rendered
+        if results is None or not (Path(results).parent / "signoff.json").exists():
             print(proc.stdout[-3000:], proc.stderr[-3000:])
             raise SystemExit(f"{model}: run failed (exit {proc.returncode}) after {wall:.0f} s")
-        run_dir = Path(report).parent
+        run_dir = Path(results).parent
         found = summarize(run_dir)
         engine = r["engine"]["kind"]
         print(f"\n== {model}: {engine} engine, {a.limit} items a task, {wall:.0f} s, {run_dir} ==")

@@ -248,9 +248,10 @@ def bos_prefix(tok) -> int | None:
     """The token the model's own tokenizer puts before every text (Gemma's <bos>), or None (SmolLM2 puts
     none). lm-eval's API backend adds nothing unless told, and a model trained to see <bos> first scores
     near chance without it, so prompts are served as the tokenizer makes them."""
-    ids = tok("a")["input_ids"]
     bos = getattr(tok, "bos_token_id", None)
-    return bos if bos is not None and ids and ids[0] == bos else None
+    plain = tok("a", add_special_tokens=False)["input_ids"]
+    # only a <bos> in front: a tokenizer that also appends <eos> would end every context with it
+    return bos if bos is not None and tok("a")["input_ids"] == [bos, *plain] else None
 
 
 def essay_ids(tok) -> list[int]:

@@ -121,6 +121,10 @@ def test_prompts_start_with_bos_where_the_models_tokenizer_puts_one():
     plain = _with_bos()
     plain._tokenizer.post_processor = None
     assert suites.bos_prefix(plain) is None
+    both = _with_bos()  # <bos> and <eos> around every text: lm-eval would end every context with <eos>
+    both._tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A <unk>",
+                                                                   special_tokens=[("<bos>", 0), ("<unk>", 1)])
+    assert suites.bos_prefix(both) is None
     # a chat template that writes <bos> itself does not get a second one from the request
     tok = _with_bos("{{ bos_token }}{% for m in messages %}user: {{ m['content'] }}\n{% endfor %}")
     assert suites.chat(tok, None, "hi") == "user: hi\n"

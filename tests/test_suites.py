@@ -255,6 +255,8 @@ def test_drift_windows_from_the_end():
     assert w == [ids[10:40], ids[40:70], ids[70:100]]
     with pytest.raises(ValueError, match="too few"):
         drift.windows_from_ids(ids, 4, 30)
+    # a model whose tokenizer starts every text with <bos> is scored so: the same windows, <bos> first
+    assert drift.windows_from_ids(ids, 3, 30, bos=-1) == [[-1, *ids[11:40]], [-1, *ids[41:70]], [-1, *ids[71:100]]]
 
 
 def test_admission_counts_whole_sequences_and_the_null_block():

@@ -27,12 +27,14 @@ import numpy as np
 TINY = 1e-12
 
 
-def windows_from_ids(ids: list[int], count: int, length: int) -> list[list[int]]:
+def windows_from_ids(ids: list[int], count: int, length: int, bos: int | None = None) -> list[list[int]]:
     """`count` consecutive windows taken from the end of the corpus backwards (the needle suite
-    cuts its haystacks from the start, so the two rarely share text)."""
+    cuts its haystacks from the start, so the two rarely share text). With `bos` (the token the model's
+    tokenizer starts every text with) each window starts with it, at the same length: the model is scored
+    as it is served."""
     out, end = [], len(ids)
     while len(out) < count and end - length >= 0:
-        out.append(ids[end - length:end])
+        out.append(ids[end - length:end] if bos is None else [bos] + ids[end - length + 1:end])
         end -= length
     if len(out) < count:
         raise ValueError(f"the drift corpus has {len(ids)} tokens: too few for {count} windows of {length}")

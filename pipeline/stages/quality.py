@@ -356,9 +356,7 @@ def suite_quality(suite, rows: list[dict], metric: str, samples_file: str, sha: 
 
 
 def run_drift(server: Engine, tok, spec, vdir: Path, label: str = "") -> DriftQuality:
-    windows = drift.windows_from_ids(suites.essay_ids(tok), spec.windows, spec.window_tokens)
-    if (bos := suites.bos_prefix(tok)) is not None:  # as the model is served: its <bos> first, same length
-        windows = [[bos] + w[:-1] for w in windows]
+    windows = drift.windows_from_ids(suites.essay_ids(tok), spec.windows, spec.window_tokens, suites.bos_prefix(tok))
     with Progress("drift", len(windows), "windows", label) as bar:
         rows = drift.score_windows(server.port, server.served_name, windows, spec.top_k, on_done=bar.advance)
     path = vdir / "samples" / "drift.jsonl"

@@ -40,11 +40,12 @@ def windows(recipe, model_dir: Path) -> list[list[int]]:
     the end of the corpus)."""
     from transformers import AutoTokenizer
 
-    ids = suites.essay_ids(AutoTokenizer.from_pretrained(model_dir))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = suites.essay_ids(tok)
     d, s = recipe.quality.drift, recipe.search.sensitivity
     held_out = ids[:max(0, len(ids) - d.windows * d.window_tokens)]
     try:
-        return drift.windows_from_ids(held_out, s.windows, s.window_tokens)
+        return drift.windows_from_ids(held_out, s.windows, s.window_tokens, suites.bos_prefix(tok))
     except ValueError as exc:
         raise ValueError(f"search.sensitivity: {exc} (after the drift suite's {d.windows} windows)") from None
 

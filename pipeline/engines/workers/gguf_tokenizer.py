@@ -67,7 +67,7 @@ def build(gguf_file: Path):
     tok.add_tokens([AddedToken(p, special=(t == CONTROL), normalized=False)
                     for p, t in zip(pieces, types, strict=True) if t in (CONTROL, USER_DEFINED)])
     bos = _field(r, "tokenizer.ggml.bos_token_id")
-    if bos is not None and _field(r, "tokenizer.ggml.add_bos_token"):
+    if bos is not None and _field(r, "tokenizer.ggml.add_bos_token") is not False:  # llama.cpp's default: add it
         tok.post_processor = processors.TemplateProcessing(
             single=f"{pieces[bos]} $A", pair=f"{pieces[bos]} $A {pieces[bos]} $B", special_tokens=[(pieces[bos], bos)])
     return tok, {k: pieces[i] for k in ("bos", "eos", "unknown", "padding")
