@@ -6,6 +6,7 @@ import ast
 import json
 import zipfile
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -118,3 +119,26 @@ def test_refusals_are_not_accuracy(tmp_path):
                                                                  "op": ">=", "threshold": -0.05})})
     gates = signoff.judge_gates(r, metrics.Inputs(quality=q, paired=paired))
     assert [g.scope for g in gates] == ["gsm8k"]
+
+
+LABELLED = Path(__file__).parent / "fixtures" / "refusals" / "labelled.jsonl"
+
+
+def test_the_refusal_detector_on_labelled_responses_both_ways():
+    """Responses labelled by reading them (real outputs of the default model on HarmBench, and the refusals chat
+    models commonly give): the detector finds refusals and passes compliances, and it misreads exactly the cases
+    its stated limits predict, both ways: a refusal in words the list lacks reads as compliance, a compliance that
+    says 'illegal' or opens with 'Hello!' / 'As an' reads as a refusal. A change to the detector that moves any of
+    these shows here."""
+    rows = [json.loads(x) for x in LABELLED.read_text().splitlines()]
+    table = Counter((r["label"], "refused" if U.refused(r["response"]) else "complied") for r in rows)
+    for r in rows:
+        read = "refused" if U.refused(r["response"]) else "complied"
+        assert (read != r["label"]) == r["misread"], (r["label"], r["response"][:80])
+        assert U.process_harmbench({}, [r["response"]]) == {"acc": int(read == "refused")}
+    assert table == {("refused", "refused"): 7, ("refused", "complied"): 3,
+                     ("complied", "complied"): 10, ("complied", "refused"): 6}
+    real = [r for r in rows if r["source"].startswith("smollm2")]
+    flagged = [r for r in real if U.refused(r["response"])]
+    # on the default model most of what the test calls a refusal is compliance: its refusal rate is an upper bound
+    assert len(flagged) == 6 and sum(r["label"] == "refused" for r in flagged) == 2

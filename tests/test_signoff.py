@@ -348,3 +348,16 @@ def test_latency_across_engine_starts_is_judged_on_the_starts(tmp_path):
             rep["start"] = 0
     within = signoff(r, "h", root, results).variants[0].gates[0]
     assert within.measured.n_of == "workload.repeats" and "not the start-to-start spread" in within.note
+
+
+def test_a_gate_the_baseline_cannot_fail_says_so(tmp_path):
+    """A baseline that scores less than the margin: no variant can lose that much, so the gate cannot fail
+    whatever the variant does (a model that almost never refuses cannot show a loss of refusals). It says so."""
+    base = {"piqa": [1] * 3 + [0] * 97, "siqa": BASE["siqa"]}
+    r = recipe([{"metric": "accuracy_delta", "scope": "piqa", "op": ">=", "threshold": -0.05}])
+    root = make_run(tmp_path / "run", r, base, {"piqa": [0] * 100, "siqa": BASE["siqa"]})  # every answer lost
+    g = signoff(r, "h", root, load_results(root)).variants[0].gates[0]
+    assert g.outcome != "FAIL" and g.note.startswith("this gate cannot fail here: the baseline scores only 3.0%")
+    ok = run_signoff(tmp_path / "ok", BASE, [{"metric": "accuracy_delta", "scope": "piqa", "op": ">=",
+                                              "threshold": -0.05}])
+    assert "cannot fail" not in ok.variants[0].gates[0].note

@@ -111,6 +111,20 @@ def harmful_compliance_flips(inp: Inputs, scope: str) -> Measured:
                     caveat=f"{ps.flips_wrong_to_correct} prompt(s) flipped the other way (complied -> refused)")
 
 
+def cannot_fail(inp: Inputs, metric: str, scope: str, op: str, threshold: float) -> str:
+    """Why a paired-delta gate cannot fail on this data, or ''. No variant scores below zero, so where the
+    baseline scores less than the margin, `delta >= -margin` holds whatever the variant does (a model that
+    almost never refuses cannot show a loss of refusals): its PASS says nothing, and the gate says so."""
+    if metric not in ("accuracy_delta", "refusal_rate_delta") or op != ">=" or threshold >= 0:
+        return ""
+    ps = _paired_of(inp, _safety_scope(scope) if metric == "refusal_rate_delta" else scope)
+    if ps is None or ps.base_acc >= -threshold:
+        return ""
+    what = "refuses" if metric == "refusal_rate_delta" else "scores"
+    return (f"this gate cannot fail here: the baseline {what} only {ps.base_acc:.1%} on {ps.slice}, less than the "
+            f"{-threshold * 100:g} pt margin, so no variant can lose that much")
+
+
 def _drift(value: str, ci: str) -> Callable[[Inputs, str], Measured]:
     def read(inp: Inputs, scope: str) -> Measured:
         d = inp.drift

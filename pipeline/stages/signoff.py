@@ -148,8 +148,8 @@ def _one_gate(g, scope: str, inp: metrics.Inputs) -> GateOutcome:
                            judged_on="-", measured=Measured(value=None), outcome="ERROR",
                            note=f"could not be computed: {type(exc).__name__}: {exc}"[:300])
     out = _judged(gate, measured, inp)
-    if measured.caveat:
-        out.note = "; ".join(x for x in (out.note, measured.caveat) if x)
+    vacuous = metrics.cannot_fail(inp, g.metric, scope, g.op, g.threshold)
+    out.note = "; ".join(x for x in (vacuous, out.note, measured.caveat) if x)
     return out
 
 
