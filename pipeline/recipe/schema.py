@@ -179,8 +179,9 @@ class QualitySpec(Strict):
                               "another batch composition (4 requests in flight, 3 prompts a request) and count the "
                               "items the engine flips against itself (A/A), stated beside every variant's flips: "
                               "in bfloat16 batch composition moves numerics. The first 50 items of each suite first: "
-                              "where every number comes back bit-identical (float32 on CPU) no item can flip and "
-                              "the rest are not scored again; otherwise one more scoring pass of every item. "
+                              "where every number of a suite comes back bit-identical (float32 on CPU) none of its "
+                              "items can flip and the rest are not scored again; otherwise every item of that suite "
+                              "is scored again. "
                               "Cached with the baseline's quality result.")
     agreement_sample: int = Field(20, ge=0, le=100000, description="Items per suite (the first N) scored again "
                                   "by the reference engine (transformers, loading the checkpoint the variant was "
