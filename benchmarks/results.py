@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import shlex
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -36,7 +37,20 @@ def append(name: str, title: str, header: list[str], row: list[str]) -> Path:
         path.write_text(f"# {title}\n\nWritten by `benchmarks/{name}.py`; one row per invocation.\n\n"
                         f"| {' | '.join(cols)} |\n|{'---|' * len(cols)}\n")
     command = "python3 " + " ".join(shlex.quote(a) for a in [f"benchmarks/{name}.py", *sys.argv[1:]])
-    cells = [dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"), cpu_kind(), *row, f"`{command}`"]
+    cells = [dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"), cpu_kind(), *row,
+             f"`{command}`" + (f" at {commit}" if (commit := _commit()) else "")]
     with path.open("a") as f:
         f.write("| " + " | ".join(c.replace("|", "/") for c in cells) + " |\n")
     return path
+
+
+def _commit() -> str:
+    """The checkout's commit (with '+' when it has uncommitted changes): which code a figure measured."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=DIR, capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=DIR, capture_output=True,
+                               text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return head + ("+" if dirty and head else "")
