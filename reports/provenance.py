@@ -90,7 +90,16 @@ def _run_rows(m: dict) -> list[list[str]]:
             ["versions", escape(", ".join(f"{k} {v}" for k, v in m["versions"].items()))],
             ["hardware", escape(json.dumps(m["hardware"]))],
             *[[f"suite {name}", escape(_suite_text(s))] for name, s in (m.get("suites") or {}).items()],
-            ["started / finished (UTC)", escape(f"{m.get('started_utc')} / {m.get('finished_utc', '–')}")]]
+            ["started / finished (UTC)", escape(_when(m))]]
+
+
+def _when(m: dict) -> str:
+    """The first start and the last finish; a resumed run says when each later invocation picked it up."""
+    text = f"{m.get('started_utc')} / {m.get('finished_utc', '–')}"
+    later = (m.get("invocations_utc") or [])[1:]
+    if later:
+        text += f"; resumed {len(later)} time(s), at {', '.join(later)} (stages finished earlier were reused)"
+    return text
 
 
 def _checkpoint_cell(qz: QuantizeResult) -> str:

@@ -115,6 +115,27 @@ def test_a_rerun_that_dies_leaves_no_earlier_verdict_behind(tmp_path, monkeypatc
     _shows_no_verdict(old)
 
 
+def test_a_resumed_run_keeps_its_first_start_and_names_each_invocation(tmp_path, monkeypatch):
+    """The sign-off run on the AVX2 kind was cut after 3 h and resumed for its last 10 minutes; the
+    report's provenance then said it started at the resume, as if those 10 minutes had measured it all."""
+    import json
+
+    from pipeline.run import runner
+    from reports.render import render_run
+
+    r, path, old = _finished_run(tmp_path)
+    monkeypatch.setattr(runner, "preflight", lambda *a: None)
+    for _ in range(2):
+        runner.start(r, path, fresh=False)
+    m = json.loads((old / "manifest.json").read_text())
+    assert m["started_utc"] == "2026-11-30T00:00:00Z"  # the first invocation's, kept
+    assert len(m["invocations_utc"]) == 3 and m["invocations_utc"][0] == m["started_utc"]
+    render_run(old)
+    assert "2026-11-30T00:00:00Z / –; resumed 2 time(s), at " in (old / "report.html").read_text()
+    (old / "manifest.json").write_text("{ cut short")  # a manifest that cannot be read: this start is the first
+    assert runner.invocations(old / "manifest.json", "now") == {"started_utc": "now", "invocations_utc": ["now"]}
+
+
 def test_a_rerun_killed_while_it_hashes_the_weights_shows_no_verdict(tmp_path, monkeypatch):
     """Killed in the gap between opening the folder and drawing its page (the weights are hashed there:
     seconds on a real model), the old page and JSON showed the last verdict, reproduced through the CLI."""

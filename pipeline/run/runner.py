@@ -15,6 +15,7 @@ outcome of every variant is then read back from the run folder (pipeline/store/o
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -338,6 +339,19 @@ def identity_of(recipe: Recipe, recipe_path: Path) -> str:
     return hash_obj({"name": recipe.name, "file": str(Path(recipe_path).resolve())})
 
 
+def invocations(previous: Path | None, now: str) -> dict:
+    """When this run folder's work began and every invocation that wrote into it: a resumed run's results
+    were measured across them, so its provenance must not read as if the last (often minutes of agreement
+    after hours of scoring) did it all. A manifest that cannot be read counts as no earlier invocation."""
+    try:
+        earlier = json.loads(previous.read_text()) if previous is not None and previous.is_file() else {}
+    except (OSError, ValueError):
+        earlier = {}
+    first = earlier.get("started_utc")
+    seen = earlier.get("invocations_utc") or ([first] if first else [])
+    return {"started_utc": first or now, "invocations_utc": [*seen, now]}
+
+
 def start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, dict]:
     """Model, preflight, run folder and manifest: everything before the first stage."""
     recipe_hash = hash_obj(recipe.model_dump(mode="json"))
@@ -354,6 +368,7 @@ def start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, d
     mark_incomplete(run_dir.root, f"a run started at {time.strftime('%Y-%m-%d %H:%M:%S')} has not finished")
     hashes = provenance.model_hashes(model_dir)
     dtype = host.resolve_dtype(recipe.engine.dtype)
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     manifest = {
         "schema_version": 1, "recipe_name": recipe.name, "recipe_hash": recipe_hash, "identity": identity,
         "recipe_file": str(recipe_path), "recipe": recipe.model_dump(mode="json"),
@@ -365,7 +380,7 @@ def start(recipe: Recipe, recipe_path: Path, fresh: bool) -> tuple[RunContext, d
         "model_note": models.NOTES.get(recipe.model.builtin or "", ""),
         "versions": provenance.versions(), "hardware": provenance.hardware(),
         "suites": {s.name: suites.settings(s) for s in suites.resolve(recipe.quality.suites)},
-        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **invocations(run_dir.manifest if resumed else None, now),
     }
     write_json(run_dir.manifest, manifest)
     shutil.copyfile(recipe_path, run_dir.root / "recipe.yaml")
