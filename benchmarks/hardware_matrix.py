@@ -1,6 +1,6 @@
 """Every scheme of recipes/matrix.yaml on this machine, at small sizes, recorded as dated rows.
 
-    python3 benchmarks/hardware_matrix.py [--no-write] [--strict] [--no-fp8-model]
+    python3 benchmarks/hardware_matrix.py [--no-write] [--strict] [--no-fp8-model | --fp8-model-only]
 
 Runs the matrix (the default model; PIQA 50 items; 8 requests of 128 + 32 tokens at concurrency
 2; 4 x 128 calibration tokens) through `./quantize-eval` in a temporary folder, then its FP8 variants
@@ -11,6 +11,7 @@ KV tokens, PIQA accuracy) and appends them, stamped with the date, CPU model, IS
 vLLM build, to docs/measured-hardware.md. Run it on each kind of machine a session lands on
 whose rows are missing or stale; the README's support matrix cites these rows. --strict: exit 1 when a
 variant failed to run or the reference engine disagrees with it (a SKIPPED variant is an answer, not a failure).
+--fp8-model-only: the second pass alone, for a kind whose default-model rows are already recorded.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def measure(tmp: Path, fp8_model: str | None = None) -> tuple[str, list[list[str
             else "every scheme on the default model")
     head = (f"\n## {time.strftime('%Y-%m-%d')}: {model} ({flags}; kind {manifest['hardware'].get('kind', '?')}), {vllm}, "
             f"engine dtype {manifest['engine_dtype']}: {what}\n\n"
-            f"`python3 benchmarks/hardware_matrix.py`, {wall:.0f} s wall, exit {proc.returncode}. "
+            f"`{' '.join(['python3', 'benchmarks/hardware_matrix.py', *sys.argv[1:]])}`, {wall:.0f} s wall, "
+            f"exit {proc.returncode}. "
             "PIQA 50 items (±0.13 at 95%: tells broken from working, not small differences).\n\n"
             "| variant | here | computed as | served | second engine agrees | output tok/s | KV tokens | PIQA acc "
             "| engine support says |\n|---|---|---|---|---|---|---|---|---|\n")
@@ -115,7 +117,8 @@ def main() -> int:
     write = "--no-write" not in sys.argv
     sections, lost = [], False
     with tempfile.TemporaryDirectory() as tmp:
-        for fp8_model in [None] + ([] if "--no-fp8-model" in sys.argv else [FP8_MODEL]):
+        passes = [] if "--fp8-model-only" in sys.argv else [None]
+        for fp8_model in passes + ([] if "--no-fp8-model" in sys.argv else [FP8_MODEL]):
             got = measure(Path(tmp), fp8_model)
             lost = lost or got is None
             sections += [got] if got else []  # a pass that left no results loses no other pass's rows
