@@ -43,10 +43,23 @@ def _round(q: dict, settings: dict) -> dict:
     return {"QuantizationModifier": q}
 
 
+# Gemma 2 and 3 put a norm on each sublayer's output too ("sandwich" norms): post_attention_layernorm
+# scales the attention's output before the residual add, and the MLP reads pre_feedforward_layernorm.
+# llm-compressor's default SmoothQuant mappings, which it lists for these models, pair gate/up with
+# post_attention_layernorm, so smoothing rescales a tensor the MLP never reads and changes the model instead
+# of moving outliers. Its own offset-norm handling makes the (1 + w) norms safe to smooth.
+SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text")
+SANDWICH_MAPPINGS = [[["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"], "re:.*input_layernorm"],
+                     [["re:.*gate_proj", "re:.*up_proj"], "re:.*pre_feedforward_layernorm"]]
+
+
 def _smoothquant_gptq(q: dict, settings: dict) -> dict:
     # SmoothQuant moves activation outliers into the weights, then GPTQ rounds INT8 per-channel weights;
     # activations are quantized per token at run time (dynamic)
-    return {"SmoothQuantModifier": {"smoothing_strength": settings.get("smoothing_strength", 0.8)}, **_gptq(q, settings)}
+    sq = {"smoothing_strength": settings.get("smoothing_strength", 0.8)}
+    if settings.get("model_type") in SANDWICH_NORMS:
+        sq["mappings"] = SANDWICH_MAPPINGS
+    return {"SmoothQuantModifier": sq, **_gptq(q, settings)}
 
 # who writes the weights a variant is served with
 PRODUCERS = (
@@ -129,10 +142,11 @@ def describe() -> str:
 
 
 def llmc_recipe(name: str, ignore: list[str], group_size: int | None = None, kv_cache: str = "auto",
-                smoothing_strength: float = 0.8) -> dict:
+                smoothing_strength: float = 0.8, model_type: str | None = None) -> dict:
     """The llm-compressor recipe for a scheme, as the YAML mapping oneshot reads. kv_cache "fp8_calibrated"
     adds per-tensor FP8 K/V scales observed on the calibration set to the last quantization modifier
-    (alone when the scheme is "none")."""
+    (alone when the scheme is "none"). model_type: the model config's, where a scheme depends on the
+    architecture (SmoothQuant on Gemma 2/3's sandwich norms)."""
     s = SCHEMES.get(name)
     kv = {"kv_cache_scheme": KV_FP8} if kv_cache == "fp8_calibrated" else {}
     if s is None or s.modifiers is None or (s.producer == "none" and not kv):
@@ -144,4 +158,5 @@ def llmc_recipe(name: str, ignore: list[str], group_size: int | None = None, kv_
             "targets": ["Linear"], "weights": weight_args(s.weight_bits, group_size, s.symmetric)}}, **kv}
     else:
         q = {"targets": ["Linear"], "ignore": list(ignore), "scheme": s.llmc_preset, **kv}
-    return {"quant_stage": {"quant_modifiers": s.modifiers(q, {"smoothing_strength": smoothing_strength})}}
+    return {"quant_stage": {"quant_modifiers": s.modifiers(q, {"smoothing_strength": smoothing_strength,
+                                                               "model_type": model_type})}}

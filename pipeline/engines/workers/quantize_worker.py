@@ -27,9 +27,11 @@ from pipeline import schemes
 
 def build_recipe(spec: dict) -> dict:
     """The llm-compressor recipe of a worker spec (the scheme table builds it: pipeline/schemes.py)."""
+    config = Path(spec.get("model_dir", "")) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
     try:
         return schemes.llmc_recipe(spec["scheme"], spec["ignore"], spec.get("group_size"), spec.get("kv_cache", "auto"),
-                                   spec.get("smoothing_strength", 0.8))
+                                   spec.get("smoothing_strength", 0.8), model_type)
     except ValueError as exc:
         raise SystemExit(f"quantize_worker: {exc}") from None
 
