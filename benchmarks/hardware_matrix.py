@@ -114,6 +114,8 @@ def measure(tmp: Path, fp8_model: str | None = None) -> tuple[str, list[list[str
 
 
 def main() -> int:
+    if "--no-fp8-model" in sys.argv and "--fp8-model-only" in sys.argv:
+        raise SystemExit("hardware_matrix: --no-fp8-model and --fp8-model-only together leave no pass to run")
     write = "--no-write" not in sys.argv
     sections, lost = [], False
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
+from pathlib import Path
 
 import torch
 
 
-def changed(mappings, tokenizer_dir: str) -> float:
+def changed(mappings, tokenizer_dir: str, work: Path) -> float:
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
@@ -29,9 +29,8 @@ def changed(mappings, tokenizer_dir: str) -> float:
         for name, p in model.named_parameters():
             if "norm" in name:  # trained Gemma norms are far from zero (a fresh one is all zeros)
                 p.normal_(0.0, 0.5)
-    tmp = tempfile.mkdtemp()
-    model.save_pretrained(tmp)  # oneshot wants a model that names where it came from
-    model = Gemma3ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    model.save_pretrained(work)  # oneshot wants a model that names where it came from
+    model = Gemma3ForCausalLM.from_pretrained(work, dtype=torch.float32).eval()
     ids = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = model(ids).logits
@@ -50,8 +49,11 @@ def main() -> None:
     recipe = schemes.llmc_recipe("w8a8_int8", ["lm_head"], model_type="gemma3_text")
     ours = recipe["quant_stage"]["quant_modifiers"]["SmoothQuantModifier"].get("mappings")
     out, tokenizer_dir = sys.argv[1:3]  # any tokenizer: the ids are given, oneshot only asks for one
+    work = Path(out).parent  # the caller's folder: the tiny models are written beside the answer
+    got = {"ours": changed(ours, tokenizer_dir, work / "tiny-ours"),
+           "default": changed(None, tokenizer_dir, work / "tiny-default")}
     with open(out, "w") as f:
-        json.dump({"ours": changed(ours, tokenizer_dir), "default": changed(None, tokenizer_dir)}, f)
+        json.dump(got, f)
 
 
 if __name__ == "__main__":
