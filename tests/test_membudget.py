@@ -325,3 +325,28 @@ def test_the_console_prints_the_peak_the_budget_is_judged_on():
     s = SystemsResult(variant="v", input_hash="s", status="ok", duration_s=1.0, latency=lat, kv=kv,
                       peak_memory_bytes=int(3.25 * 2**30), peak_memory_hwm_bytes=int(3.06 * 2**30))
     assert summary(s).endswith("serving peak 3.06 GiB")
+
+
+def test_a_model_whose_engine_refused_its_budget_is_refused_by_validate_next_time(tmp_path, monkeypatch):
+    """The runtime moves with the model (gemma3-270m's engine held 2.5 GiB besides its weights where the
+    default model's held 0.9): once an engine of a model refused its budget, validate uses that model's
+    runtime, and says no before any engine starts; other models keep the host's figure."""
+    from pipeline.measure import overhead
+    from pipeline.run import preflight
+
+    monkeypatch.setenv("QUANTIZE_EVAL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("QUANTIZE_EVAL_DEVICE", "cpu")
+    model = checkpoint(tmp_path / "model", False)
+    (model / "tokenizer.json").write_text("{}")
+    d = yaml.safe_load((ROOT / "recipes" / "awq.yaml").read_text())
+    d["model"] = {"path": str(model)}
+    d["engine"].update(max_model_len=512, memory_budget_gib=2.5, dtype="float32")
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(d))
+    r = load(p)
+    preflight.check_budget(r, p, model)  # the prior's runtime leaves room
+    overhead.record_refusal("float32", overhead.model_label(r), 2 * 2**30)
+    with pytest.raises(preflight.PreflightError, match="engine runtime 2.00 GiB"):
+        preflight.check_budget(r, p, model)
+    assert overhead.host_figures("float32", "another-model")["runtime_bytes"] == overhead.PRIOR["runtime_bytes"]
+    assert "refused its budget" in overhead.host_figures("float32", overhead.model_label(r))["source"]

@@ -231,3 +231,31 @@ def test_an_engine_caches_its_bytecode_whatever_the_shell_says(monkeypatch):
     monkeypatch.setenv("QE_SOME_USER_SETTING", "kept")
     env = engine_env(None)
     assert "PYTHONDONTWRITEBYTECODE" not in env and env["QE_SOME_USER_SETTING"] == "kept"
+
+
+def test_a_budget_the_loaded_model_outgrows_is_said_in_the_budgets_terms(tmp_path, monkeypatch):
+    """gemma3-270m in float32 on a 4 GiB budget: vLLM's worker, loaded, held more than the fraction asked for
+    and refused with a negative pool. The error names the budget field and what the worker held."""
+    from pipeline.engines.vllm import sizing
+
+    # the lines vllm 0.32 logged for that start (cpu-avx2, 2026-12-07)
+    log = tmp_path / "engine.log"
+    log.write_text(
+        'QE-WEIGHTS {"parameters": 1072392704, "buffers": 67109156, "devices": {"cpu": 1139501860}, '
+        '"after_postprocess": {"parameters": 671312384, "buffers": 67109156}, "pid": 7}\n'
+        "(EngineCore pid=7) ERROR 12-07 07:34:59 [core.py:1510] ValueError: Available memory on node 0 (19.36/23.54 "
+        "GiB) on kv cache allocation is less than requested memory for kv (-0.84/2.75 GiB). Reduce CPU memory used "
+        "by other processes.\n")
+    r = sizing.refusal(log.read_text())
+    assert r["requested_bytes"] == int(2.75 * 2**30) and r["non_kv_bytes"] == int(3.59 * 2**30)
+    assert sizing.refusal(log.read_text().replace("-0.84", "0.84")) is None  # the node lacking memory: not this
+    assert sizing.refusal("requested memory for kv (1.00 GiB)") is None  # a fixed pool's refusal
+    monkeypatch.setattr(sizing, "node_memory", lambda node=None: (24 * 2**30, 20 * 2**30))
+    s = Server(Launch(tmp_path, EngineSpec(), "float32", log, memory_budget_bytes=4 * 2**30,
+                      outside_bytes=int(1.25 * 2**30)))
+    assert s._over_budget() is None  # not budget-sized: nothing to say in the budget's terms
+    s.sizing = sizing.fraction(4 * 2**30, int(1.25 * 2**30))
+    err = str(s._over_budget())
+    assert err.startswith("engine.memory_budget_gib: 4.00 GiB does not hold this model here: its worker held 3.59 GiB")
+    assert "weights 1.06 GiB as loaded, runtime 2.53 GiB" in err and "above 4.84 GiB plus a KV pool" in err
+    assert s.refused["weights_bytes"] == 1072392704 + 67109156

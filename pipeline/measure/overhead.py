@@ -66,13 +66,40 @@ def _read(path: Path, key: str, field: str = "key") -> dict | None:
     return d if d.get(field) == key else None
 
 
-def host_figures(dtype: str) -> dict:
-    """This host's measured figures, else PRIOR (each with its source)."""
+def model_label(recipe) -> str:
+    """The base model as the host's per-model figures name it: a builtin's name, else its resolved path."""
+    return recipe.model.builtin or str(Path(recipe.model.path).resolve())
+
+
+def host_figures(dtype: str, model: str | None = None) -> dict:
+    """This host's measured figures, else PRIOR (each with its source). Where an engine of `model` was
+    refused for holding more than the host's runtime (record_refusal), that model's runtime is used instead:
+    the runtime moves with the model (a 262k-token vocabulary's tokenizer and embeddings), not only the host."""
     key = host_key(dtype)
-    return _read(_host_file(dtype), key) or {"key": key, **PRIOR}
+    d = _read(_host_file(dtype), key) or {"key": key, **PRIOR}
+    m = d.get("models", {}).get(model) if model else None
+    if m and m["runtime_bytes"] > d["runtime_bytes"]:
+        d = {**d, "runtime_bytes": m["runtime_bytes"], "source": f"{d['source']}; runtime of {model}: {m['source']}"}
+    return d
 
 
-def for_run(run_root: Path, dtype: str, log=print) -> dict:
+def record_refusal(dtype: str, model: str, runtime_bytes: int) -> None:
+    """An engine of `model` refused to start because, loaded, it held more than its budget left it: keep its
+    runtime (held besides weights and pool) for this model on this host, so validate and the next run's plan
+    predict it before any engine starts."""
+    path = _host_file(dtype)
+    d = _read(path, host_key(dtype)) or {**PRIOR, "outside_source": "the prior, which no engine on this host has "
+                                         "exceeded", "runtime_source": "the prior, within the tolerance of what "
+                                         "this host's engines held", "key": host_key(dtype)}
+    models = dict(d.get("models", {}))
+    models[model] = {"runtime_bytes": int(runtime_bytes), "source": "measured on this host by an engine that "
+                     f"refused its budget ({time.strftime('%Y-%m-%d %H:%M')})"}
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {**d, "models": models})
+
+
+def for_run(run_root: Path, dtype: str, log=print, model: str | None = None) -> dict:
     """The figures every engine of this run is sized with: fixed by the first engine that needs them."""
     here = run_root / "engine-overhead.json"
     if (d := _read(here, dtype, "dtype")) is not None:
@@ -82,7 +109,7 @@ def for_run(run_root: Path, dtype: str, log=print) -> dict:
         fcntl.flock(lock, fcntl.LOCK_EX)  # every Ray node shares the run folder, and these figures
         if (d := _read(here, dtype, "dtype")) is not None:
             return d
-        d = {**host_figures(dtype), "dtype": dtype}
+        d = {**host_figures(dtype, model), "dtype": dtype}
         log(f"memory budget: {d['outside_bytes'] / GIB:.2f} GiB kept for what the engine's own sizing does not "
             f"count ({d['source']})")
         write_json(here, d)

@@ -88,7 +88,7 @@ def _base_plan(recipe: Recipe, model_dir: Path):
     cfg = modelcfg.read(model_dir)
     w = recipe.workload
     try:
-        figures = overhead.host_figures(dtype)
+        figures = overhead.host_figures(dtype, overhead.model_label(recipe))
         budget, source = membudget.run_budget(recipe.engine, cfg, model_dir, act, act, figures)
         p = membudget.plan(recipe.engine, cfg, model_dir, act, act, False,
                            {**figures, "budget_bytes": budget, "budget_source": source},

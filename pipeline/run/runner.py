@@ -87,7 +87,8 @@ def pool_plan(ctx: RunContext, weights_dir: Path, kv_cache_dtype: str, name: str
     figures = None
     cfg = modelcfg.read(ctx.model_dir)
     if membudget.mode(ctx.recipe.engine, gpu) == "budget":
-        figures = overhead.for_run(ctx.run_dir.root, ctx.dtype, log=lambda m: say(name, m))
+        figures = overhead.for_run(ctx.run_dir.root, ctx.dtype, log=lambda m: say(name, m),
+                                   model=overhead.model_label(ctx.recipe))
         budget, source = membudget.run_budget(ctx.recipe.engine, cfg, ctx.model_dir, act, act, figures)
         figures = {**figures, "budget_bytes": budget, "budget_source": source}
     w = ctx.recipe.workload

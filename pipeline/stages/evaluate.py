@@ -109,7 +109,7 @@ def _evaluate(job: ServeJob, recipe, dtype: str, needs: Needs, log, spent):
     if spent is not None:
         spent.engine_starts += 1  # counted whether it then serves or fails
     try:
-        with server, server.blamed_for_errors():
+        with _refusal_recorded(server, recipe, dtype), server, server.blamed_for_errors():
             log(f"engine ready in {server.start_s:.0f} s (port {server.port})")
             server.memory.mark_loaded()
             if need_quality:
@@ -140,6 +140,19 @@ def _evaluate(job: ServeJob, recipe, dtype: str, needs: Needs, log, spent):
         if spent is not None:
             spent.engine_s += server.busy_s
     return q, s
+
+
+@contextlib.contextmanager
+def _refusal_recorded(server, recipe, dtype: str):
+    """An engine that refused its budget's pool (it held more, loaded, than the budget left it) leaves this
+    model's runtime on the host's figures, so validate says so next time before any engine starts."""
+    try:
+        yield
+    except Exception:
+        r = getattr(server, "refused", None)
+        if r and r.get("weights_bytes") is not None:
+            overhead.record_refusal(dtype, overhead.model_label(recipe), r["non_kv_bytes"] - r["weights_bytes"])
+        raise
 
 
 def _further_starts(job: ServeJob, recipe, dtype: str, s: SystemsResult, vdir: Path, log, spent) -> None:

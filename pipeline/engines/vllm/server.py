@@ -26,6 +26,7 @@ from pipeline.engines.interface import EngineError, KVLayout, Launch, free_port,
 from pipeline.engines.memory import MemorySampler, device_used_bytes
 from pipeline.engines.vllm.sizing import fraction as sized_fraction
 from pipeline.engines.vllm.sizing import readback as sizing_readback
+from pipeline.engines.vllm.sizing import refusal as sizing_refusal
 from pipeline.setup import envs
 
 SERVED_NAME = "model"
@@ -154,6 +155,7 @@ class Server:
         self.memory: MemorySampler | None = None
         self.start_s: float | None = None
         self.sizing: dict | None = None  # sizing.fraction's figures, taken just before the launch
+        self.refused: dict | None = None  # sizing.refusal's figures where vLLM refused the budget's pool
         self.busy_s = 0.0  # seconds the engine was alive, spawn to stop (the run's accounting)
 
     @property
@@ -215,6 +217,9 @@ class Server:
         self.memory = MemorySampler(self.proc.pid, device_before=device_before, _gpu=gpu).start()
         try:
             self._wait_ready(t0)
+        except EngineError as exc:
+            self.stop()
+            raise self._over_budget() or exc from None
         except BaseException:
             self.stop()
             raise
@@ -248,6 +253,26 @@ class Server:
         lines = [ln for ln in self._log_text().splitlines() if ln.strip()]
         errs = [ln for ln in lines if "Error" in ln or "error" in ln]
         return " | ".join((errs or lines)[-n:])[-600:]
+
+    def _over_budget(self) -> EngineError | None:
+        """A start vLLM refused because the budget left its worker less than the model already held once
+        loaded, said in the budget's terms, with what the worker held (self.refused keeps the figures)."""
+        r = sizing_refusal(self._log_text()) if self.sizing else None
+        if r is None:
+            return None
+        w = self.loaded_weights()
+        weights = w["parameters"] + w["buffers"] if w else None
+        self.refused = {**r, "weights_bytes": weights}
+        gib = 2**30
+        held = (f"{r['non_kv_bytes'] / gib:.2f} GiB before any KV pool" +
+                (f" (weights {weights / gib:.2f} GiB as loaded, runtime {(r['non_kv_bytes'] - weights) / gib:.2f} GiB)"
+                 if weights is not None else ""))
+        need = self.sizing["outside_bytes"] + r["non_kv_bytes"]
+        return EngineError(
+            f"engine.memory_budget_gib: {self.sizing['budget_bytes'] / gib:.2f} GiB does not hold this model here: its "
+            f"worker held {held}, more than the {r['requested_bytes'] / gib:.2f} GiB the budget leaves it once "
+            f"{self.sizing['outside_bytes'] / gib:.2f} GiB outside its sizing is kept; a budget above "
+            f"{need / gib:.2f} GiB plus a KV pool is needed (log: {self.log_path})")
 
     def _wait_ready(self, t0: float) -> None:
         wait_ready("engine", self.proc, self.base_url, t0, self.engine.startup_timeout_s, self.log_path,

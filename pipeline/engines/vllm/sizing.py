@@ -31,6 +31,8 @@ GIB = 2**30
 # vllm/v1/worker/cpu_worker.py, determine_available_memory (figures in GiB, two decimals)
 AUTO_SET = re.compile(r"Auto set \(([\d.]+)/([\d.]+)\) GiB for KV cache on node (\d+), with ([\d.]+) GiB requested "
                       r"memory for the worker\. ([\d.]+) GiB memory was consumed by non-kv usages")
+# the same function refusing to start: the worker already held more than it requested (pool <= 0)
+REFUSED = re.compile(r"requested memory for kv \((-?[\d.]+)/([\d.]+) GiB\)")
 NO_LIMIT = 1 << 62  # cgroup v1 reports a huge sentinel when unlimited
 
 
@@ -114,3 +116,17 @@ def readback(log_text: str) -> dict | None:
     gib = lambda s: int(float(s) * GIB)  # noqa: E731
     return {"pool_bytes_logged": gib(pool), "node_total_bytes_read": gib(total), "node": int(node),
             "requested_bytes": gib(requested), "non_kv_bytes": gib(consumed), "resolution_bytes": GIB // 200}
+
+
+def refusal(log_text: str) -> dict | None:
+    """The start vLLM refused because its worker, loaded and warmed up, already held more than the memory it
+    requested (its pool would have been <= 0): what it requested and what it held besides a pool, from its
+    log; None for any other failure."""
+    found = REFUSED.findall(log_text)
+    if not found:
+        return None
+    kv, requested = (float(x) for x in found[-1])
+    if kv > 0:
+        return None
+    return {"requested_bytes": int(requested * GIB), "non_kv_bytes": int((requested - kv) * GIB),
+            "resolution_bytes": GIB // 100}
