@@ -420,7 +420,8 @@ class PairedSlice(Model):
 Verdict = Literal["PASS", "WARN", "FAIL", "INCONCLUSIVE", "UNVERIFIED", "SKIPPED", "FAILED-TO-RUN"]
 # what a run verdict other than PASS means, in words (the report's banner and the console's last line)
 VERDICT_MEANING = {"FAIL": "a fail gate failed", "INCONCLUSIVE": "not enough data to decide a fail gate; nothing failed",
-                   "UNVERIFIED": "a fail gate cannot be measured on this hardware", "WARN": "a warn gate did not pass"}
+                   "UNVERIFIED": "a fail gate, or every variant, cannot be measured on this hardware",
+                   "WARN": "a warn gate did not pass"}
 
 
 class VariantSignoff(Model):

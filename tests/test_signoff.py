@@ -160,13 +160,17 @@ def test_an_error_computing_a_gate_is_that_gates_error_not_a_crash(tmp_path, mon
     assert so.variants[0].verdict == "FAIL" and so.exit_code == 1
 
 
-def test_all_skipped_is_not_a_pass(tmp_path):
+def test_all_skipped_is_not_a_pass_nor_a_failure(tmp_path):
+    """Every variant SKIPPED (the engine here runs none of them, as FP8 on an AVX2 CPU): nothing was measured.
+    Not PASS (exit 0 would sign it off), not FAIL ("a fail gate failed", when no gate was judged): UNVERIFIED."""
     r = recipe([])
     root = make_run(tmp_path / "run", r, BASE, BASE)
     results = load_results(root)
     results["v4"] = {"skipped": "unsupported here"}
     so = signoff(r, "h", root, results)
-    assert so.variants[0].verdict == "SKIPPED" and so.exit_code == 1
+    assert so.variants[0].verdict == "SKIPPED" and so.verdict == "UNVERIFIED" and so.exit_code == 4
+    results["v4"] = {"error": "it crashed"}
+    assert signoff(r, "h", root, results).verdict == "FAIL"  # a variant that failed to run stays a failure
 
 
 def test_rewritten_samples_are_not_paired(tmp_path):
