@@ -6,6 +6,12 @@ between them: it asks for SIGUSR1 when its parent dies and answers it by SIGKILL
 own process group, which holds the server and everything the server spawned.
 
     python -m pipeline.engines.engine_guard CMD ARGS...
+    python -m pipeline.engines.engine_guard --pid PID --exit-file PATH
+
+The second form guards an engine already running as its child: the warm launcher
+(pipeline/engines/vllm/launcher.py) forks the engine from a process that has vLLM imported, then
+replaces the fork's parent with this guard, which writes the engine's exit code to PATH (the
+launcher's caller is not the engine's parent and cannot wait for it).
 Standard library only; exits with the engine's exit code.
 """
 
@@ -15,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 
 def main(argv: list[str]) -> int:
@@ -32,6 +39,8 @@ def main(argv: list[str]) -> int:
         pass
     if os.getppid() != parent:  # the pipeline died before the request took effect
         kill_group()
+    if argv[:1] == ["--pid"]:
+        return _guard_child(int(argv[1]), argv[3] if argv[2:3] == ["--exit-file"] else None, parent, kill_group)
     proc = subprocess.Popen(argv)
     while True:
         try:
@@ -39,6 +48,21 @@ def main(argv: list[str]) -> int:
         except subprocess.TimeoutExpired:
             if os.getppid() != parent:  # belt and braces where prctl is unavailable
                 kill_group()
+
+
+def _guard_child(pid: int, exit_file: str | None, parent: int, kill_group) -> int:
+    """Wait for the engine `pid` (this process's child since before the exec), leaving its exit code."""
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            if exit_file:
+                with open(exit_file, "w") as f:
+                    f.write(str(code))
+            return code if code >= 0 else 128 - code
+        if os.getppid() != parent:
+            kill_group()
+        time.sleep(0.5)
 
 
 if __name__ == "__main__":

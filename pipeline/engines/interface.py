@@ -110,6 +110,7 @@ class EngineKind(Protocol):
     def native_on(self, weights: str) -> str: ...  # where a weight format runs natively, in words
     # why this engine measures no memory, capacity or latency (its variants' systems are N/A); None: it does
     def systems_not_measured(self) -> str | None: ...
+    def prestart(self) -> None: ...  # begin, in the background, what makes this run's engine starts faster
 
 
 HEARTBEAT_S = 10.0  # at most this long without a line while an engine starts

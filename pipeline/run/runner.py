@@ -321,6 +321,7 @@ def stage_main(recipe: Recipe, recipe_path: Path, run_root: Path, name: str, sta
 def run_local(ctx: RunContext) -> dict[str, float]:
     """The local executor: the baseline, then each variant, one after another; wall time of each."""
     timings: dict[str, float] = {}
+    ctx.engine.prestart()  # the engines' shared import, beside the support probe and the first stages
     ctx.probe_beside_baseline()
     for name in ["baseline", *(v.name for v in ctx.recipe.variants)]:
         t0 = time.perf_counter()

@@ -29,6 +29,10 @@ def numerics_env(compute: str = "") -> dict[str, str]:
     return {}
 
 
+def prestart() -> None:
+    """Nothing to begin: a reference engine starts once per variant, importing transformers itself."""
+
+
 def placement() -> dict[str, str]:
     return {"reference": "transformers, one process, one prompt per forward pass"}
 

@@ -2,6 +2,7 @@
 machines, one code path, the package chosen at install time (pipeline/setup/envs.py).
 
 server.py        the OpenAI server per variant: command line, environment, readiness, /metrics gauges, KV layout
+launcher.py      warm starts: each engine forked from one process that has imported vLLM (zygote.py)
 support.py       which formats this build serves on this host, and in what precision it computes them
 support_probe.py asks the installed vLLM those questions, in the engine environment
 hooks/           runs inside the engine: reports the weight bytes it loaded
@@ -12,7 +13,7 @@ from __future__ import annotations
 from pipeline.engines.interface import Launch
 from pipeline.engines.vllm import server, support
 from pipeline.engines.vllm.server import engine_placement as placement  # noqa: F401 (EngineKind)
-from pipeline.engines.vllm.server import numerics_env  # noqa: F401 (EngineKind)
+from pipeline.engines.vllm.server import numerics_env, prestart  # noqa: F401 (EngineKind)
 from pipeline.engines.vllm.support import capabilities, decide  # noqa: F401 (EngineKind)
 
 

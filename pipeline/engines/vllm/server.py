@@ -24,12 +24,14 @@ import psutil
 
 from pipeline.engines.interface import EngineError, KVLayout, Launch, free_port, wait_ready
 from pipeline.engines.memory import MemorySampler, device_used_bytes
+from pipeline.engines.vllm.launcher import get as warm_launcher
 from pipeline.engines.vllm.sizing import fraction as sized_fraction
 from pipeline.engines.vllm.sizing import readback as sizing_readback
 from pipeline.engines.vllm.sizing import refusal as sizing_refusal
 from pipeline.setup import envs
 
 SERVED_NAME = "model"
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # the neutral gauge names (interface.GAUGES) as vLLM's /metrics calls them
 METRICS = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
            "kv_usage": "vllm:kv_cache_usage_perc", "preemptions": "vllm:num_preemptions_total",
@@ -138,6 +140,19 @@ def engine_env(engine, numerics: dict[str, str] | None = None) -> dict[str, str]
     return env
 
 
+def launch_env(numerics: dict[str, str] | None = None) -> dict[str, str]:
+    """The whole environment an engine starts with (engine_env, and the hooks and the checkout first on its
+    path: hooks/sitecustomize.py reports loaded weight bytes; the engine imports pipeline.engines.engine_guard)."""
+    root = Path(__file__).resolve().parents[3]
+    hooks = Path(__file__).resolve().parent / "hooks"
+    return {**engine_env(None, numerics), "PYTHONPATH": f"{hooks}{os.pathsep}{root}"}
+
+
+def prestart() -> None:
+    """Start the warm launcher now, in the background, so its import of vLLM overlaps with other work."""
+    warm_launcher(launch_env())
+
+
 class Server:
     """interface.Engine for vLLM's OpenAI server."""
     served_name = SERVED_NAME
@@ -162,16 +177,20 @@ class Server:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "pipeline.engines.engine_guard",
-               sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
-               "--host", "127.0.0.1", "--port", str(self.port), "--disable-uvicorn-access-log",
-               *engine_args(self.engine, self.dtype, self.kv_pool_bytes,
-                            self.sizing["fraction"] if self.sizing else None), *self.extra_args]
+    def engine_argv(self) -> list[str]:
+        """The API server's arguments (after `python -m SERVER_MODULE`)."""
+        argv = ["--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
+                "--host", "127.0.0.1", "--port", str(self.port), "--disable-uvicorn-access-log",
+                *engine_args(self.engine, self.dtype, self.kv_pool_bytes,
+                             self.sizing["fraction"] if self.sizing else None), *self.extra_args]
         if self.trust_remote_code:
-            cmd.append("--trust-remote-code")
-        return cmd
+            argv.append("--trust-remote-code")
+        return argv
+
+    def command(self) -> list[str]:
+        """The cold start: a new interpreter under engine_guard."""
+        return [sys.executable, "-m", "pipeline.engines.engine_guard", sys.executable, "-m", SERVER_MODULE,
+                *self.engine_argv()]
 
     @property
     def pgid_file(self) -> Path:
@@ -203,11 +222,13 @@ class Server:
             except ValueError as exc:
                 raise EngineError(f"engine.memory_budget_gib: {exc}") from None
         t0 = self._t_started = time.perf_counter()
-        root = Path(__file__).resolve().parents[3]  # the checkout: the engine imports pipeline.engines.engine_guard
-        hooks = Path(__file__).resolve().parent / "hooks"  # sitecustomize: reports loaded weight bytes
-        env = {**engine_env(self.engine, self.numerics), "PYTHONPATH": f"{hooks}{os.pathsep}{root}"}
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        env = launch_env(self.numerics)
+        warm = warm_launcher(env)  # forked from a process with vLLM imported; None: start cold
+        self.proc = warm.launch(SERVER_MODULE, self.engine_argv(), env, self.log_path, t0,
+                                self.engine.startup_timeout_s, self.spec.say) if warm else None
+        if self.proc is None:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         log.close()
         try:  # its own session: pgid == pid; the start time tells a reused pid apart
             created = psutil.Process(self.proc.pid).create_time()

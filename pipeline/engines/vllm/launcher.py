@@ -1,0 +1,173 @@
+"""Warm engine starts: each engine forked from one process that has imported vLLM already.
+
+Most of a CPU engine start is Python importing vLLM and torch (engine_start.py's phases: the API
+server's first line comes ~10-14 s after launch on 2 cores; loading weights, sizing the pool and warming
+up take a few seconds). A run starts one engine per variant, all with the same environment and command
+line but the model, so the import is the same work each time. The launcher starts zygote.py once, in
+the background (`prestart`, at the start of a local run, so the import overlaps with the run's own
+preparation), and each engine is then forked from it: same Python, same vLLM, same command line, same
+environment, run as `python -m` runs it; the engine tree's shape (a guard, the API server, its forked
+engine core) and its process group are a cold start's, so stopping, reaping and memory sampling do not
+change. Its log's first line says `QE-LAUNCH warm`.
+
+A launch falls back to the cold start (a new interpreter) when the launcher is off (QE_ENGINE_LAUNCH=cold
+in the environment, or a GPU machine, where vLLM's own process layout is kept), when the launch's
+environment differs from the launcher's in a variable read at import time (only the VLLM_* variables
+vLLM reads when it uses them may differ), or when the launcher died. Where the answers could differ,
+they do not: the forked engine runs the same code on the same arguments.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+# variables a launch may set differently from the launcher's environment: vllm.envs reads them when they
+# are used (its cache is enabled in the engine, after the fork), never at import
+READ_WHEN_USED = frozenset({"VLLM_CPU_INT4_W4A8"})
+# set per test by pytest, read by nothing an engine imports: the engine still gets the launch's own value
+NOT_READ = frozenset({"PYTEST_CURRENT_TEST"})
+HEARTBEAT_S = 10.0
+
+
+class WarmProc:
+    """The part of subprocess.Popen the engine's server uses, for an engine that is not this process's child:
+    its guard writes the engine's exit code to `exit_file`."""
+
+    def __init__(self, pid: int, exit_file: Path):
+        self.pid, self.exit_file, self.returncode = pid, exit_file, None
+        try:
+            self._created = psutil.Process(pid).create_time()
+        except psutil.Error:
+            self._created = None
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        try:
+            p = psutil.Process(self.pid)
+            if p.create_time() == self._created and p.status() != psutil.STATUS_ZOMBIE:
+                return None
+        except psutil.Error:
+            pass
+        try:
+            self.returncode = int(self.exit_file.read_text())
+        except (OSError, ValueError):
+            self.returncode = -1  # killed with its group (a signal leaves no code to read)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired("engine", timeout)
+            time.sleep(0.1)
+        return self.returncode
+
+
+class Launcher:
+    """One zygote.py process and the socket to it."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = dict(env)
+        self.lock = threading.Lock()
+        ours, theirs = socket.socketpair()
+        self.dir = Path(tempfile.mkdtemp(prefix="qe-launcher-"))
+        with open(self.dir / "launcher.log", "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.engines.vllm.zygote", str(theirs.fileno())],
+                                         env=self.env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        theirs.close()
+        self.sock = ours
+        self.buf = b""
+
+    def serves(self, env: dict[str, str]) -> bool:
+        """Whether an engine with this environment may be forked from here (module docstring)."""
+        keys = (set(env) | set(self.env)) - READ_WHEN_USED - NOT_READ
+        return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
+
+    def launch(self, module: str, argv: list[str], env: dict[str, str], log: Path, t0: float, timeout_s: float,
+               say=None) -> WarmProc | None:
+        """Fork an engine; None when the launcher cannot (the caller starts it cold). While the launcher is
+        still importing vLLM this waits, saying so every HEARTBEAT_S."""
+        if not self.serves(env):
+            return None
+        exit_file = log.with_suffix(".exit")
+        exit_file.unlink(missing_ok=True)
+        req = {"module": module, "argv": argv, "env": env, "log": str(log), "exit_file": str(exit_file)}
+        with self.lock:
+            try:
+                self.sock.sendall((json.dumps(req) + "\n").encode())
+                answer = self._answer(t0, timeout_s, say)
+            except OSError:
+                return None
+        if answer is None or "pid" not in answer:
+            return None
+        return WarmProc(answer["pid"], exit_file)
+
+    def _answer(self, t0: float, timeout_s: float, say) -> dict | None:
+        next_say = t0 + HEARTBEAT_S
+        while b"\n" not in self.buf:
+            now = time.perf_counter()
+            if now > t0 + timeout_s or self.proc.poll() is not None:
+                return None
+            if say is not None and now >= next_say:
+                say(f"engine start: {now - t0:.0f} s so far (the launcher is importing vLLM)")
+                next_say = now + HEARTBEAT_S
+            ready, _, _ = select.select([self.sock], [], [], 0.5)
+            if ready:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    return None
+                self.buf += data
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for f in self.dir.iterdir():
+            f.unlink(missing_ok=True)
+        self.dir.rmdir()
+
+
+_launcher: Launcher | None = None
+_guard = threading.Lock()
+
+
+def enabled() -> bool:
+    from pipeline.setup import envs
+
+    return os.environ.get("QE_ENGINE_LAUNCH", "warm") != "cold" and not envs.has_nvidia_gpu()
+
+
+def get(env: dict[str, str]) -> Launcher | None:
+    """This process's launcher, started with `env` if there is none yet (None when the launcher is off)."""
+    global _launcher
+    if not enabled():
+        return None
+    with _guard:
+        if _launcher is None or _launcher.proc.poll() is not None:
+            _launcher = Launcher(env)
+            atexit.register(_launcher.close)
+        return _launcher

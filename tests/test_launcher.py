@@ -1,0 +1,134 @@
+"""Warm engine starts (pipeline/engines/vllm/launcher.py): an engine forked from a process that has vLLM
+imported is the cold start's engine, answers alike, holds no extra copy of the launcher in its tree, and
+goes down whole when it is stopped or when the process that started it dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pipeline.engines import vllm
+from pipeline.engines.interface import Launch
+from pipeline.engines.vllm import launcher
+from pipeline.recipe.schema import EngineSpec
+from tests import tinymodel
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = EngineSpec(max_model_len=256, max_num_seqs=4, kv_cache_gib=0.05)
+
+
+def _complete(srv) -> dict:
+    body = json.dumps({"model": srv.served_name, "prompt": "The quick brown fox jumps over", "max_tokens": 8,
+                       "temperature": 0, "logprobs": 3, "seed": 0}).encode()
+    req = urllib.request.Request(srv.base_url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        lp = json.loads(r.read())["choices"][0]["logprobs"]
+    return {"tokens": lp["tokens"], "logprobs": lp["token_logprobs"]}
+
+
+def _group(pgid: int) -> list[int]:
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) == pgid:
+                out.append(p.pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return out
+
+
+def _gone(pids, within_s: float) -> list[int]:
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return []
+        time.sleep(0.25)
+    return alive
+
+
+@pytest.mark.integration
+def test_a_warm_start_is_the_cold_start_forked(tmp_path, monkeypatch):
+    model = tinymodel.build(tmp_path / "tiny", seed=11)
+    got = {}
+    for how in ("cold", "warm", "warm again"):
+        monkeypatch.setenv("QE_ENGINE_LAUNCH", how.split()[0])
+        log = tmp_path / f"{how.replace(' ', '-')}.log"
+        with vllm.launch(Launch(model, ENGINE, "float32", log)) as srv:
+            pgid = srv.proc.pid
+            members = _group(pgid)
+            guard = psutil.Process(pgid)
+            guard_cmd, guard_rss = " ".join(guard.cmdline()), guard.memory_info().rss
+            answer = _complete(srv)
+            got[how] = {**answer, "log": log.read_text(errors="replace"), "start_s": srv.start_s,
+                        "rss": srv.memory.peak_tree_rss, "members": len(members), "guard": guard_cmd,
+                        "guard_rss": guard_rss}
+        assert not _gone(members, 10), f"{how}: the engine's group outlived its stop"
+    assert "QE-LAUNCH warm" in got["warm"]["log"] and "QE-LAUNCH warm" not in got["cold"]["log"]
+    assert "QE-ENGINE-CORE-START fork" in got["warm"]["log"]  # the same layout: its core forked from it
+    for how in ("warm", "warm again"):
+        assert got[how]["tokens"] == got["cold"]["tokens"]
+        assert got[how]["logprobs"] == pytest.approx(got["cold"]["logprobs"], abs=1e-5)
+        # the tree is a guard, the API server and its engine core, as a cold start's; the guard is a fresh
+        # small interpreter, not a copy of the launcher holding its ~1 GiB of imports outside the engine's
+        # measured tree (memory.py sums the tree below the guard)
+        assert got[how]["members"] == got["cold"]["members"] == 3
+        assert "pipeline.engines.engine_guard --pid" in got[how]["guard"], got[how]["guard"]
+        assert got[how]["guard_rss"] < 2 * got["cold"]["guard_rss"], (got[how]["guard_rss"], got["cold"]["guard_rss"])
+        assert got[how]["rss"] < 1.2 * got["cold"]["rss"], (got[how]["rss"], got["cold"]["rss"])
+    # the launcher had imported vLLM: the second warm start does not import it again
+    assert got["warm again"]["start_s"] < got["cold"]["start_s"] - 5, (got["warm again"]["start_s"],
+                                                                       got["cold"]["start_s"])
+
+
+@pytest.mark.integration
+def test_a_launch_whose_import_time_environment_differs_starts_cold(tmp_path, monkeypatch):
+    monkeypatch.setenv("QE_ENGINE_LAUNCH", "warm")
+    warm = launcher.get(vllm.server.launch_env())
+    assert warm.serves(vllm.server.launch_env({"VLLM_CPU_INT4_W4A8": "1"}))  # read when used: may differ
+    changed = {**vllm.server.launch_env(), "QE_ENGINE_CORE_START": "spawn"}  # read when vLLM's platform loads
+    assert not warm.serves(changed)
+    assert warm.launch("x", [], changed, tmp_path / "x.log", time.perf_counter(), 60) is None
+
+
+@pytest.mark.integration
+def test_a_warm_engine_dies_with_the_process_that_started_it(tmp_path):
+    model = tinymodel.build(tmp_path / "tiny", seed=12)
+    script = tmp_path / "hold.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, sys, time
+        from pathlib import Path
+        os.environ["QE_ENGINE_LAUNCH"] = "warm"
+        from pipeline.engines import vllm
+        from pipeline.engines.interface import Launch
+        from pipeline.engines.vllm import launcher
+        from pipeline.recipe.schema import EngineSpec
+        srv = vllm.launch(Launch(Path({str(model)!r}), EngineSpec(max_model_len=256, max_num_seqs=4, kv_cache_gib=0.05),
+                                 "float32", Path({str(tmp_path / "engine.log")!r})))
+        srv.__enter__()
+        print(json.dumps({{"guard": srv.proc.pid, "launcher": launcher._launcher.proc.pid}}), flush=True)
+        time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    try:
+        line = proc.stdout.readline()
+        assert line, "the holding process died before its engine was ready"
+        pids = json.loads(line)
+        tree = _group(pids["guard"])
+        assert len(tree) == 3 and "QE-LAUNCH warm" in (tmp_path / "engine.log").read_text()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    left = _gone([*tree, pids["launcher"]], 30)
+    assert not left, f"outlived the process that started them: {left}"
