@@ -36,8 +36,9 @@ import psutil
 # variables a launch may set differently from the launcher's environment: vllm.envs reads them when they
 # are used (its cache is enabled in the engine, after the fork), never at import
 READ_WHEN_USED = frozenset({"VLLM_CPU_INT4_W4A8"})
-# set per test by pytest, read by nothing an engine imports: the engine still gets the launch's own value
-NOT_READ = frozenset({"PYTEST_CURRENT_TEST"})
+# read by nothing an engine imports (pytest's per-test name, the launcher's own switch): the engine still
+# gets the launch's own value
+NOT_READ = frozenset({"PYTEST_CURRENT_TEST", "QE_ENGINE_LAUNCH"})
 HEARTBEAT_S = 10.0
 
 
@@ -91,6 +92,13 @@ class Launcher:
         theirs.close()
         self.sock = ours
         self.buf = b""
+
+    def ready(self) -> bool:
+        """Whether it has imported vLLM (its log's last word; benchmarks/engine_start.py times it)."""
+        try:
+            return "QE-ZYGOTE ready" in (self.dir / "launcher.log").read_text(errors="replace")
+        except OSError:
+            return False
 
     def serves(self, env: dict[str, str]) -> bool:
         """Whether an engine with this environment may be forked from here (module docstring)."""
