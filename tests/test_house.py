@@ -1,6 +1,6 @@
 """The house stays easy to live in: no import cycle, stage modules that do not reach into each
 other, and folders by concept that each stand on the ones below and never import one above.
-Module and function length are the README's contributor guidance, not a rule that forces splits."""
+Module and function length are docs/house.md's contributor guidance, not a rule that forces splits."""
 
 from __future__ import annotations
 
