@@ -155,26 +155,27 @@ def test_validate_states_what_the_budget_leaves_from_this_hosts_figures(tmp_path
     p.write_text(yaml.safe_dump(d))
     r = load(p)
     prior = preflight.budget_statement(r, model)
+    m = overhead.model_label(r)  # the figures are this host's for this base model
     assert "not measured on this host yet" in prior
     # a first engine that held less than the prior leaves the outside figure (and so every key) be; its
     # runtime, off by more than the tolerance, becomes the host's
-    overhead.record("float32", {"outside_bytes": 2**29, "runtime_bytes": 2**28}, 2**26, "m")
-    assert overhead.host_figures("float32")["outside_bytes"] == overhead.PRIOR["outside_bytes"]
+    overhead.record("float32", {"outside_bytes": 2**29, "runtime_bytes": 2**28}, 2**26, "m", m)
+    assert overhead.host_figures("float32", m)["outside_bytes"] == overhead.PRIOR["outside_bytes"]
     line = preflight.budget_statement(r, model)
     plan = membudget.plan(r.engine, CFG, model, 4, 4, False, {**OVERHEAD, "outside_bytes": overhead.PRIOR["outside_bytes"],
                                                               "runtime_bytes": 2**28}, seq_len=320)
     assert f"leave a predicted {plan.pool_bytes / 2**30:.2f} GiB KV pool: {plan.tokens:,} tokens" in line
     assert "outside: the prior" in line and "runtime: measured on this host by an engine of m " in line
     heavy = overhead.PRIOR["outside_bytes"]
-    overhead.record("float32", {"outside_bytes": heavy + 2**25, "runtime_bytes": 2**28}, 2**26, "other")
+    overhead.record("float32", {"outside_bytes": heavy + 2**25, "runtime_bytes": 2**28}, 2**26, "other", m)
     assert "outside: the prior" in preflight.budget_statement(r, model)  # within the tolerance: kept
-    overhead.record("float32", {"outside_bytes": heavy + 2**27, "runtime_bytes": 2**28}, 2**26, "heavier")
+    overhead.record("float32", {"outside_bytes": heavy + 2**27, "runtime_bytes": 2**28}, 2**26, "heavier", m)
     assert "outside: measured on this host by an engine of heavier " in preflight.budget_statement(r, model)
-    overhead.record("float32", {"outside_bytes": 2**28, "runtime_bytes": 2**28}, 2**26, "lighter")
+    overhead.record("float32", {"outside_bytes": 2**28, "runtime_bytes": 2**28}, 2**26, "lighter", m)
     assert "an engine of heavier " in preflight.budget_statement(r, model)  # outside never falls: peaks seen stay kept
-    overhead.record("float32", {"outside_bytes": 2**28, "runtime_bytes": 2**29}, 2**26, "runtime moved")
-    assert overhead.host_figures("float32")["outside_bytes"] == heavy + 2**27  # kept while runtime follows
-    assert overhead.host_figures("float32")["runtime_bytes"] == 2**29
+    overhead.record("float32", {"outside_bytes": 2**28, "runtime_bytes": 2**29}, 2**26, "runtime moved", m)
+    assert overhead.host_figures("float32", m)["outside_bytes"] == heavy + 2**27  # kept while runtime follows
+    assert overhead.host_figures("float32", m)["runtime_bytes"] == 2**29
 
 
 def test_a_run_sizes_every_engine_with_the_figures_it_started_with(tmp_path, monkeypatch):
@@ -350,3 +351,20 @@ def test_a_model_whose_engine_refused_its_budget_is_refused_by_validate_next_tim
         preflight.check_budget(r, p, model)
     assert overhead.host_figures("float32", "another-model")["runtime_bytes"] == overhead.PRIOR["runtime_bytes"]
     assert "refused its budget" in overhead.host_figures("float32", overhead.model_label(r))["source"]
+
+
+def test_one_models_figures_never_resize_anothers(tmp_path, monkeypatch):
+    """Found when a gemma3-270m run (runtime 2.5 GiB, API server 1.9 GiB) raised the host's figures and every
+    later run of the default model on that host failed validate on its 4 GiB budget."""
+    from pipeline.measure import overhead
+
+    monkeypatch.setenv("QUANTIZE_EVAL_HOME", str(tmp_path / "home"))
+    heavy = {"outside_bytes": int(1.9 * 2**30), "runtime_bytes": int(2.5 * 2**30)}
+    overhead.record("float32", heavy, 2**26, "baseline", "gemma3-270m")
+    assert overhead.host_figures("float32", "gemma3-270m")["runtime_bytes"] == heavy["runtime_bytes"]
+    assert overhead.host_figures("float32", "gemma3-270m")["outside_bytes"] == heavy["outside_bytes"]
+    light = overhead.host_figures("float32", "smollm2-135m-instruct")
+    assert (light["outside_bytes"], light["runtime_bytes"]) == (overhead.PRIOR["outside_bytes"],
+                                                                 overhead.PRIOR["runtime_bytes"])
+    first = overhead.for_run(tmp_path / "run", "float32", log=lambda m: None, model="smollm2-135m-instruct")
+    assert first["outside_bytes"] == overhead.PRIOR["outside_bytes"]

@@ -12,12 +12,15 @@ here, per host, engine environment and dtype:
               activations). Used only to predict: whether a budget holds the model (validate) and the
               capacity of a variant no engine runs natively here (projected, and labelled so).
 
-Every budget-sized engine that serves the systems load measures both (its peak from the memory sampler,
-the rest read back from its log). A run fixes the figures it uses when it first needs them (the run
-folder's engine-overhead.json), so every variant of a run is sized alike. The host's `outside` starts at
-PRIOR and only rises, and only by more than the budget's tolerance (a serving load heavier than any
-before): `outside` keys every budget-sized result, so a rerun, or another recipe on the same model, keys
-the same results, and a heavier recipe's peak is kept from then on. Each engine's own peak, checked
+Both move with the model, not only the host: gemma3-270m's float32 engine held 2.5 GiB besides its weights
+and its API server 1.7 GiB (a 262k-token vocabulary's tokenizer and embeddings) where the default model's
+held 0.9 and 0.95. So the figures are kept per host *and base model* (its builtin name or path): one model's
+run never resizes another's. Every budget-sized engine that serves the systems load measures both (its peak
+from the memory sampler, the rest read back from its log). A run fixes the figures it uses when it first
+needs them (the run folder's engine-overhead.json), so every variant of a run is sized alike. `outside`
+starts at PRIOR and only rises, and only by more than the budget's tolerance (a serving load heavier than
+any before): `outside` keys every budget-sized result, so a rerun, or another recipe on the same model,
+keys the same results, and a heavier recipe's peak is kept from then on. Each engine's own peak, checked
 against the budget, says whether the figure held.
 """
 
@@ -45,16 +48,18 @@ PRIOR = {"outside_bytes": int(1.25 * GIB), "runtime_bytes": int(0.9 * GIB),
          "source": "not measured on this host yet: the figures vLLM 0.32 held on the CPU kinds measured"}
 
 
-def host_key(dtype: str) -> str:
-    """This host's engine as far as its overhead goes: the engine environment, the dtype, the CPU (or GPU)
-    kind, cores and machine; not the memory size, which moves on some machines while they run."""
+def host_key(dtype: str, model: str | None = None) -> str:
+    """This host's engine of this base model as far as its overhead goes: the model, the engine environment,
+    the dtype, the CPU (or GPU) kind, cores and machine; not the memory size, which moves on some machines
+    while they run."""
     gpu = envs.has_nvidia_gpu()
     return hash_obj({"version": VERSION, "dtype": dtype, "engine_env": envs.requirements_file("engine").read_text(),
-                     "kind": "cuda" if gpu else host.cpu_kind(), "cpus": os.cpu_count(), "node": platform.node()})
+                     "kind": "cuda" if gpu else host.cpu_kind(), "cpus": os.cpu_count(), "node": platform.node(),
+                     **({"model": model} if model else {})})
 
 
-def _host_file(dtype: str) -> Path:
-    return envs.home() / "results" / "engine-overhead" / f"{host_key(dtype)}.json"
+def _host_file(dtype: str, model: str | None = None) -> Path:
+    return envs.home() / "results" / "engine-overhead" / f"{host_key(dtype, model)}.json"
 
 
 def _read(path: Path, key: str, field: str = "key") -> dict | None:
@@ -72,31 +77,27 @@ def model_label(recipe) -> str:
 
 
 def host_figures(dtype: str, model: str | None = None) -> dict:
-    """This host's measured figures, else PRIOR (each with its source). Where an engine of `model` was
-    refused for holding more than the host's runtime (record_refusal), that model's runtime is used instead:
-    the runtime moves with the model (a 262k-token vocabulary's tokenizer and embeddings), not only the host."""
-    key = host_key(dtype)
-    d = _read(_host_file(dtype), key) or {"key": key, **PRIOR}
-    m = d.get("models", {}).get(model) if model else None
-    if m and m["runtime_bytes"] > d["runtime_bytes"]:
-        d = {**d, "runtime_bytes": m["runtime_bytes"], "source": f"{d['source']}; runtime of {model}: {m['source']}"}
-    return d
+    """The figures measured on this host for this base model, else PRIOR (each with its source)."""
+    key = host_key(dtype, model)
+    return _read(_host_file(dtype, model), key) or {"key": key, **PRIOR}
+
+
+_FIRST = {"outside_source": "the prior, which no engine on this host has exceeded",
+          "runtime_source": "the prior, within the tolerance of what this host's engines held"}
 
 
 def record_refusal(dtype: str, model: str, runtime_bytes: int) -> None:
     """An engine of `model` refused to start because, loaded, it held more than its budget left it: keep its
     runtime (held besides weights and pool) for this model on this host, so validate and the next run's plan
     predict it before any engine starts."""
-    path = _host_file(dtype)
-    d = _read(path, host_key(dtype)) or {**PRIOR, "outside_source": "the prior, which no engine on this host has "
-                                         "exceeded", "runtime_source": "the prior, within the tolerance of what "
-                                         "this host's engines held", "key": host_key(dtype)}
-    models = dict(d.get("models", {}))
-    models[model] = {"runtime_bytes": int(runtime_bytes), "source": "measured on this host by an engine that "
-                     f"refused its budget ({time.strftime('%Y-%m-%d %H:%M')})"}
+    path = _host_file(dtype, model)
+    d = _read(path, host_key(dtype, model)) or {**PRIOR, **_FIRST}
+    when = f"measured on this host by an engine of {model} that refused its budget ({time.strftime('%Y-%m-%d %H:%M')})"
+    d = {**d, "runtime_bytes": int(runtime_bytes), "runtime_source": when}
+    d["source"] = f"outside: {d['outside_source']}; runtime: {d['runtime_source']}"
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {**d, "models": models})
+        write_json(path, {**d, "key": host_key(dtype, model)})
 
 
 def for_run(run_root: Path, dtype: str, log=print, model: str | None = None) -> dict:
@@ -126,7 +127,7 @@ def measured(sizing: dict, peak_bytes: int | None, weights_bytes: int | None) ->
     return out
 
 
-def record(dtype: str, figures: dict | None, tolerance_bytes: int, model: str) -> None:
+def record(dtype: str, figures: dict | None, tolerance_bytes: int, who: str, model: str | None = None) -> None:
     """Keep what an engine measured as the host's figures. `outside` only rises, and only by more than the
     tolerance (a heavier serving load than any before, whose peak the budget must keep too), from PRIOR on
     a host with none: a first engine that held less leaves PRIOR be, so the figure a fresh host's first
@@ -134,11 +135,10 @@ def record(dtype: str, figures: dict | None, tolerance_bytes: int, model: str) -
     the tolerance. Each figure's source says which engine set it."""
     if not figures or "runtime_bytes" not in figures:
         return
-    path = _host_file(dtype)
-    old = _read(path, host_key(dtype))
-    base = old or {**PRIOR, "outside_source": "the prior, which no engine on this host has exceeded",
-                   "runtime_source": "the prior, within the tolerance of what this host's engines held"}
-    when = f"measured on this host by an engine of {model} ({time.strftime('%Y-%m-%d %H:%M')})"
+    path = _host_file(dtype, model)
+    old = _read(path, host_key(dtype, model))
+    base = old or {**PRIOR, **_FIRST}
+    when = f"measured on this host by an engine of {who} ({time.strftime('%Y-%m-%d %H:%M')})"
     new = dict(base)
     if figures["outside_bytes"] > base["outside_bytes"] + tolerance_bytes:
         new.update(outside_bytes=figures["outside_bytes"], outside_source=when)
@@ -149,4 +149,4 @@ def record(dtype: str, figures: dict | None, tolerance_bytes: int, model: str) -
     new["source"] = f"outside: {new['outside_source']}; runtime: {new['runtime_source']}"
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {**new, "key": host_key(dtype)})
+        write_json(path, {**new, "key": host_key(dtype, model)})

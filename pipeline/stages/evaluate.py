@@ -131,7 +131,7 @@ def _evaluate(job: ServeJob, recipe, dtype: str, needs: Needs, log, spent):
                 if s.kv is not None and s.kv.plan is not None and s.kv.plan.mode == "budget":
                     overhead.record(dtype, overhead.measured(s.kv.plan.sizing, s.kv.plan.peak_bytes,
                                                            s.kv.plan.engine_weights_bytes),
-                                   s.kv.plan.tolerance_bytes, variant)
+                                   s.kv.plan.tolerance_bytes, variant, overhead.model_label(recipe))
                 if s.status == "ok":
                     _further_starts(job, recipe, dtype, s, vdir, log, spent)
                 write_json(vdir / "systems.json", s)
