@@ -113,7 +113,8 @@ class Launcher:
             return None
         exit_file = log.with_suffix(".exit")
         exit_file.unlink(missing_ok=True)
-        req = {"module": module, "argv": argv, "env": env, "log": str(log), "exit_file": str(exit_file)}
+        req = {"module": module, "argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log),
+               "exit_file": str(exit_file)}
         with self.lock:
             try:
                 self.sock.sendall((json.dumps(req) + "\n").encode())

@@ -4,11 +4,12 @@
 
 Started with the environment every engine of the run shares. It imports what vLLM's API server imports
 (on a 2-core CPU machine, most of an engine start), then reads launch requests from the socket FD, one
-JSON line each ({"module", "argv", "env", "log", "exit_file"}), and answers each with one line: the
+JSON line each ({"module", "argv", "env", "cwd", "log", "exit_file"}), and answers each with one line: the
 pid of the engine's process group, or an error. Per request it forks a child that opens a session of
 its own (the caller takes the engine tree down with killpg, as it does a cold start's) and forks
 again: the grandchild becomes the engine (the request's environment, stdin from /dev/null, stdout and
-stderr on the engine log, the module run as `python -m` runs it), and the child then execs
+stderr on the engine log, the caller's working folder, the cold command line as its title, the
+module run as `python -m` runs it), and the child then execs
 engine_guard, a fresh small interpreter, so the tree's memory holds no extra copy of these imports
 (engines/memory.py sums RSS over the tree). It has run no OpenMP region when it forks, holds no
 device and no event loop: the same state the API server forks its engine core from
@@ -56,6 +57,13 @@ def _engine(req: dict) -> None:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
+        os.chdir(req["cwd"])
+        try:  # what ps and pgrep show: the cold start's command line, not this launcher's
+            import setproctitle
+
+            setproctitle.setproctitle(" ".join([sys.executable, "-m", req["module"], *req["argv"]]))
+        except Exception:  # noqa: BLE001 - a title is not worth an engine
+            pass
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         print("QE-LAUNCH warm: forked from a process with vLLM imported", file=sys.stderr, flush=True)
