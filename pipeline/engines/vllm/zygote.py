@@ -48,6 +48,14 @@ def _engine(req: dict) -> None:
 
     code = 1
     try:
+        try:  # what ps and pgrep show: the cold start's command line, not this launcher's. Before the
+            # environment is replaced: setproctitle finds room for a title after argv only while the C
+            # environment is where the kernel put it (vLLM's own titles, VLLM::EngineCore, need this too)
+            import setproctitle
+
+            setproctitle.setproctitle(" ".join([sys.executable, "-m", req["module"], *req["argv"]]))
+        except Exception:  # noqa: BLE001 - a title is not worth an engine
+            pass
         os.environ.clear()
         os.environ.update(req["env"])
         fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -58,12 +66,6 @@ def _engine(req: dict) -> None:
         os.dup2(null, 0)
         os.close(null)
         os.chdir(req["cwd"])
-        try:  # what ps and pgrep show: the cold start's command line, not this launcher's
-            import setproctitle
-
-            setproctitle.setproctitle(" ".join([sys.executable, "-m", req["module"], *req["argv"]]))
-        except Exception:  # noqa: BLE001 - a title is not worth an engine
-            pass
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         print("QE-LAUNCH warm: forked from a process with vLLM imported", file=sys.stderr, flush=True)
