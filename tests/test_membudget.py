@@ -140,20 +140,26 @@ def test_one_pool_rule_in_the_recipe(tmp_path):
         load(p)
 
 
-def test_validate_states_what_the_budget_leaves_from_this_hosts_figures(tmp_path, monkeypatch):
-    from pipeline.measure import overhead
-    from pipeline.run import preflight
-
+def _budget_recipe(tmp_path, monkeypatch, budget_gib: float):
+    """The default recipe on a tiny dense checkpoint with this budget, in a home of its own: (recipe, path, model)."""
     monkeypatch.setenv("QUANTIZE_EVAL_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("QUANTIZE_EVAL_DEVICE", "cpu")
     model = checkpoint(tmp_path / "model", False)
     (model / "tokenizer.json").write_text("{}")
     d = yaml.safe_load((ROOT / "recipes" / "awq.yaml").read_text())
     d["model"] = {"path": str(model)}
-    d["engine"].update(max_model_len=512, memory_budget_gib=2.0, dtype="float32")
+    d["engine"].update(max_model_len=512, memory_budget_gib=budget_gib, dtype="float32")
     p = tmp_path / "r.yaml"
     p.write_text(yaml.safe_dump(d))
     r = load(p)
+    return r, p, model
+
+
+def test_validate_states_what_the_budget_leaves_from_this_hosts_figures(tmp_path, monkeypatch):
+    from pipeline.measure import overhead
+    from pipeline.run import preflight
+
+    r, p, model = _budget_recipe(tmp_path, monkeypatch, 2.0)
     prior = preflight.budget_statement(r, model)
     m = overhead.model_label(r)  # the figures are this host's for this base model
     assert "not measured on this host yet" in prior
@@ -335,16 +341,7 @@ def test_a_model_whose_engine_refused_its_budget_is_refused_by_validate_next_tim
     from pipeline.measure import overhead
     from pipeline.run import preflight
 
-    monkeypatch.setenv("QUANTIZE_EVAL_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("QUANTIZE_EVAL_DEVICE", "cpu")
-    model = checkpoint(tmp_path / "model", False)
-    (model / "tokenizer.json").write_text("{}")
-    d = yaml.safe_load((ROOT / "recipes" / "awq.yaml").read_text())
-    d["model"] = {"path": str(model)}
-    d["engine"].update(max_model_len=512, memory_budget_gib=2.5, dtype="float32")
-    p = tmp_path / "r.yaml"
-    p.write_text(yaml.safe_dump(d))
-    r = load(p)
+    r, p, model = _budget_recipe(tmp_path, monkeypatch, 2.5)
     preflight.check_budget(r, p, model)  # the prior's runtime leaves room
     overhead.record_refusal("float32", overhead.model_label(r), 2 * 2**30)
     with pytest.raises(preflight.PreflightError, match="engine runtime 2.00 GiB"):
