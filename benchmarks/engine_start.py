@@ -51,15 +51,12 @@ def _watch(log: Path, t0: float, seen: dict, stop: threading.Event) -> None:
 
 def launcher_up() -> float:
     """Start the warm launcher (as a run does at its start) and wait until it has imported vLLM: seconds."""
-    from pipeline.engines.vllm import launcher, server
+    from pipeline.engines import interface
 
-    t0 = time.perf_counter()
-    server.prestart()
-    while not launcher._launcher.ready():
-        if launcher._launcher.proc.poll() is not None:
-            raise SystemExit("the warm launcher exited before it was ready")
-        time.sleep(0.05)
-    return time.perf_counter() - t0
+    up = interface.kind("vllm").prestart(wait=True)
+    if up is None:
+        raise SystemExit("the warm launcher is off here (QE_ENGINE_LAUNCH=cold, or a GPU machine)")
+    return up
 
 
 def one_start(model: Path, tmp: Path, fork: bool, i: int, warm: bool = True) -> dict:

@@ -110,7 +110,9 @@ class EngineKind(Protocol):
     def native_on(self, weights: str) -> str: ...  # where a weight format runs natively, in words
     # why this engine measures no memory, capacity or latency (its variants' systems are N/A); None: it does
     def systems_not_measured(self) -> str | None: ...
-    def prestart(self) -> None: ...  # begin, in the background, what makes this run's engine starts faster
+    # begin, in the background, what makes this run's engine starts faster; wait=True: until it is ready,
+    # returning the seconds that took (benchmarks/engine_start.py), None where there is nothing to begin
+    def prestart(self, wait: bool = False) -> float | None: ...
 
 
 HEARTBEAT_S = 10.0  # at most this long without a line while an engine starts

@@ -29,8 +29,9 @@ def numerics_env(compute: str = "") -> dict[str, str]:
     return {}
 
 
-def prestart() -> None:
+def prestart(wait: bool = False) -> float | None:
     """Nothing to begin: a reference engine starts once per variant, importing transformers itself."""
+    return None
 
 
 def placement() -> dict[str, str]:

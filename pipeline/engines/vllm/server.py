@@ -148,9 +148,21 @@ def launch_env(numerics: dict[str, str] | None = None) -> dict[str, str]:
     return {**engine_env(None, numerics), "PYTHONPATH": f"{hooks}{os.pathsep}{root}"}
 
 
-def prestart() -> None:
-    """Start the warm launcher now, in the background, so its import of vLLM overlaps with other work."""
-    warm_launcher(launch_env())
+def prestart(wait: bool = False) -> float | None:
+    """Start the warm launcher now, in the background, so its import of vLLM overlaps with other work;
+    wait=True: until it has imported vLLM, returning the seconds that took (0.0 when it was up already;
+    None when the launcher is off)."""
+    t0 = time.perf_counter()
+    warm = warm_launcher(launch_env())
+    if warm is None or not wait:
+        return None
+    if warm.ready():
+        return 0.0
+    while not warm.ready():
+        if warm.proc.poll() is not None:
+            raise EngineError(f"the warm launcher exited before it was ready (log: {warm.dir / 'launcher.log'})")
+        time.sleep(0.05)
+    return time.perf_counter() - t0
 
 
 class Server:
