@@ -98,13 +98,18 @@ def test_a_warm_start_is_the_cold_start_forked(tmp_path, monkeypatch):
 
 
 @pytest.mark.integration
-def test_a_launch_whose_import_time_environment_differs_starts_cold(tmp_path, monkeypatch):
+def test_a_launch_whose_import_time_environment_differs_gets_its_own_launcher(tmp_path, monkeypatch):
     monkeypatch.setenv("QE_ENGINE_LAUNCH", "warm")
     warm = launcher.get(vllm.server.launch_env())
     assert warm.serves(vllm.server.launch_env({"VLLM_CPU_INT4_W4A8": "1"}))  # read when used: may differ
+    # lm_eval sets this in the pipeline's process when the first quality pass imports it, after the
+    # launcher started: every later engine of a run started cold until it was let through
+    assert warm.serves({**vllm.server.launch_env(), "HF_XET_HIGH_PERFORMANCE": "1"})
     changed = {**vllm.server.launch_env(), "QE_ENGINE_CORE_START": "spawn"}  # read when vLLM's platform loads
-    assert not warm.serves(changed)
+    assert warm.differs(changed) == ["QE_ENGINE_CORE_START"]
     assert warm.launch("x", [], changed, tmp_path / "x.log", time.perf_counter(), 60) is None
+    other = launcher.get(changed)
+    assert other is not warm and other.serves(changed) and warm.closed and warm.proc.wait(timeout=30) is not None
 
 
 @pytest.mark.integration

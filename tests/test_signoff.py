@@ -171,6 +171,10 @@ def test_all_skipped_is_not_a_pass_nor_a_failure(tmp_path):
     assert so.variants[0].verdict == "SKIPPED" and so.verdict == "UNVERIFIED" and so.exit_code == 4
     results["v4"] = {"error": "it crashed"}
     assert signoff(r, "h", root, results).verdict == "FAIL"  # a variant that failed to run stays a failure
+    results["v4"] = {"skipped": "unsupported here"}
+    results["baseline"] = {"error": "the baseline's engine died"}  # Ray, baseline_first off: variants SKIPPED
+    assert signoff(r, "h", root, results).verdict == "FAIL"
+    assert signoff(r.model_copy(update={"variants": []}), "h", root, {}).verdict == "FAIL"  # nothing signed
 
 
 def test_rewritten_samples_are_not_paired(tmp_path):

@@ -6,12 +6,13 @@ between them: it asks for SIGUSR1 when its parent dies and answers it by SIGKILL
 own process group, which holds the server and everything the server spawned.
 
     python -m pipeline.engines.engine_guard CMD ARGS...
-    python -m pipeline.engines.engine_guard --pid PID --exit-file PATH
+    python -m pipeline.engines.engine_guard --pid PID --exit-file PATH --owner PIPELINE_PID
 
 The second form guards an engine already running as its child: the warm launcher
 (pipeline/engines/vllm/launcher.py) forks the engine from a process that has vLLM imported, then
 replaces the fork's parent with this guard, which writes the engine's exit code to PATH (the
-launcher's caller is not the engine's parent and cannot wait for it).
+launcher's caller is not the engine's parent and cannot wait for it) and takes the group down when
+PIPELINE_PID, the process that asked for the engine, is gone (polled: it is not this guard's parent).
 Standard library only; exits with the engine's exit code.
 """
 
@@ -25,6 +26,8 @@ import time
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--pid"]:
+        return _guard_child(int(argv[1]), argv[argv.index("--exit-file") + 1], int(argv[argv.index("--owner") + 1]))
     parent = os.getppid()
 
     def kill_group(*_args) -> None:
@@ -39,8 +42,6 @@ def main(argv: list[str]) -> int:
         pass
     if os.getppid() != parent:  # the pipeline died before the request took effect
         kill_group()
-    if argv[:1] == ["--pid"]:
-        return _guard_child(int(argv[1]), argv[3] if argv[2:3] == ["--exit-file"] else None, parent, kill_group)
     proc = subprocess.Popen(argv)
     while True:
         try:
@@ -50,20 +51,29 @@ def main(argv: list[str]) -> int:
                 kill_group()
 
 
-def _guard_child(pid: int, exit_file: str | None, parent: int, kill_group) -> int:
-    """Wait for the engine `pid` (this process's child since before the exec), leaving its exit code."""
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (not gone, not a zombie its parent has yet to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _guard_child(pid: int, exit_file: str, owner: int) -> int:
+    """Wait for the engine `pid` (this process's child since before the exec), leaving its exit code in
+    `exit_file`; take the group down when `owner`, the pipeline process that asked for the engine, is gone.
+    Not the launcher this guard was forked from: the launcher may be replaced while its engines serve."""
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             code = os.waitstatus_to_exitcode(status)
-            if exit_file:
-                with open(exit_file, "w") as f:
-                    f.write(str(code))
+            with open(exit_file, "w") as f:
+                f.write(str(code))
             return code if code >= 0 else 128 - code
-        if os.getppid() != parent:
-            kill_group()
+        if not _alive(owner):
+            os.killpg(os.getpgid(0), signal.SIGKILL)
         time.sleep(0.5)
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -248,7 +248,7 @@ def signoff(recipe, recipe_hash: str, run_root: Path, results: dict) -> Signoff:
             verdicts.append(VariantSignoff(variant=v.name, verdict="FAIL",
                                            reason=f"sign-off error: {type(exc).__name__}: {exc}"[:500]))
     passing = [x.variant for x in verdicts if x.verdict in ("PASS", "WARN")]
-    bad = any(x.verdict in ("FAIL", "FAILED-TO-RUN") for x in verdicts)
+    bad = any(x.verdict in ("FAIL", "FAILED-TO-RUN") for x in verdicts) or not verdicts or bool(base.error)
     # every variant SKIPPED (the engine here cannot run any): nothing was measured, so nothing failed and
     # nothing passed. UNVERIFIED, never PASS (it signs nothing off) and never FAIL ("a fail gate failed")
     unverified = not bad and (any(x.verdict == "UNVERIFIED" for x in verdicts)

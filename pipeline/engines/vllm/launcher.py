@@ -10,10 +10,11 @@ environment, run as `python -m` runs it; the engine tree's shape (a guard, the A
 engine core) and its process group are a cold start's, so stopping, reaping and memory sampling do not
 change. Its log's first line says `QE-LAUNCH warm`.
 
-A launch falls back to the cold start (a new interpreter) when the launcher is off (QE_ENGINE_LAUNCH=cold
-in the environment, or a GPU machine, where vLLM's own process layout is kept), when the launch's
-environment differs from the launcher's in a variable read at import time (only the VLLM_* variables
-vLLM reads when it uses them may differ), or when the launcher died. Where the answers could differ,
+The launcher is off with QE_ENGINE_LAUNCH=cold in the environment and on GPU machines (vLLM's own process
+layout is kept there): each engine then starts cold, in a new interpreter. A launch whose environment
+differs from the launcher's in a variable its imports may read (all but the few vLLM reads when it uses
+them, and the hub client's download settings) gets a new launcher started with its environment; a
+launch the launcher could not answer starts cold. Where the answers could differ,
 they do not: the forked engine runs the same code on the same arguments.
 """
 
@@ -39,6 +40,9 @@ READ_WHEN_USED = frozenset({"VLLM_CPU_INT4_W4A8"})
 # read by nothing an engine imports (pytest's per-test name, the launcher's own switch): the engine still
 # gets the launch's own value
 NOT_READ = frozenset({"PYTEST_CURRENT_TEST", "QE_ENGINE_LAUNCH"})
+# the hub client's download settings, which the pipeline's own imports set after the launcher started
+# (lm_eval sets HF_XET_HIGH_PERFORMANCE): an engine runs offline (HF_HUB_OFFLINE=1) and downloads nothing
+NOT_READ_PREFIXES = ("HF_XET_", "HF_HUB_ENABLE_HF_TRANSFER")
 HEARTBEAT_S = 10.0
 
 
@@ -92,6 +96,7 @@ class Launcher:
         theirs.close()
         self.sock = ours
         self.buf = b""
+        self.closed = False
 
     def ready(self) -> bool:
         """Whether it has imported vLLM (its log's last word; benchmarks/engine_start.py times it)."""
@@ -100,10 +105,14 @@ class Launcher:
         except OSError:
             return False
 
-    def serves(self, env: dict[str, str]) -> bool:
-        """Whether an engine with this environment may be forked from here (module docstring)."""
+    def differs(self, env: dict[str, str]) -> list[str]:
+        """The variables that keep an engine with this environment from being forked from here (module
+        docstring): those the engine's imports may read that differ from the launcher's."""
         keys = (set(env) | set(self.env)) - READ_WHEN_USED - NOT_READ
-        return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
+        return sorted(k for k in keys if env.get(k) != self.env.get(k) and not k.startswith(NOT_READ_PREFIXES))
+
+    def serves(self, env: dict[str, str]) -> bool:
+        return not self.closed and self.proc.poll() is None and not self.differs(env)
 
     def launch(self, module: str, argv: list[str], env: dict[str, str], log: Path, t0: float, timeout_s: float,
                say=None) -> WarmProc | None:
@@ -114,14 +123,20 @@ class Launcher:
         exit_file = log.with_suffix(".exit")
         exit_file.unlink(missing_ok=True)
         req = {"module": module, "argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log),
-               "exit_file": str(exit_file)}
+               "exit_file": str(exit_file), "owner": os.getpid()}
         with self.lock:
             try:
                 self.sock.sendall((json.dumps(req) + "\n").encode())
                 answer = self._answer(t0, timeout_s, say)
-            except OSError:
+            except BaseException:
+                self.close()  # its answer, when it came, would be read as the next launch's
+                if isinstance(sys.exc_info()[1], OSError):
+                    return None
+                raise
+            if answer is None:
+                self.close()
                 return None
-        if answer is None or "pid" not in answer:
+        if "pid" not in answer:
             return None
         return WarmProc(answer["pid"], exit_file)
 
@@ -144,6 +159,9 @@ class Launcher:
         return json.loads(line)
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         try:
             self.sock.close()
         except OSError:
@@ -171,12 +189,16 @@ def enabled() -> bool:
 
 
 def get(env: dict[str, str]) -> Launcher | None:
-    """This process's launcher, started with `env` if there is none yet (None when the launcher is off)."""
+    """This process's launcher for engines with `env`: the one running if it serves them, else a new one
+    started with `env` (the old one closed: its import would serve no later launch either); None when the
+    launcher is off."""
     global _launcher
     if not enabled():
         return None
     with _guard:
-        if _launcher is None or _launcher.proc.poll() is not None:
+        if _launcher is None or not _launcher.serves(env):
+            if _launcher is not None:
+                _launcher.close()
             _launcher = Launcher(env)
             atexit.register(_launcher.close)
         return _launcher

@@ -4,7 +4,7 @@
 
 Started with the environment every engine of the run shares. It imports what vLLM's API server imports
 (on a 2-core CPU machine, most of an engine start), then reads launch requests from the socket FD, one
-JSON line each ({"module", "argv", "env", "cwd", "log", "exit_file"}), and answers each with one line: the
+JSON line each ({"module", "argv", "env", "cwd", "log", "exit_file", "owner"}), and answers each with one line: the
 pid of the engine's process group, or an error. Per request it forks a child that opens a session of
 its own (the caller takes the engine tree down with killpg, as it does a cold start's) and forks
 again: the grandchild becomes the engine (the request's environment, stdin from /dev/null, stdout and
@@ -33,6 +33,9 @@ PRELOAD = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.launchers.api
            "vllm.v1.engine.async_llm", "vllm.v1.engine.core", "vllm.v1.worker.cpu_worker")
 
 
+BASE = dict(os.environ)  # the environment it was started with, before any import wrote into it
+
+
 def preload() -> None:
     for name in PRELOAD:
         try:
@@ -56,8 +59,11 @@ def _engine(req: dict) -> None:
             setproctitle.setproctitle(" ".join([sys.executable, "-m", req["module"], *req["argv"]]))
         except Exception:  # noqa: BLE001 - a title is not worth an engine
             pass
+        # a cold start's environment: the launch's, then what importing vLLM wrote into it (vllm/env_override.py:
+        # TORCHINDUCTOR_COMPILE_THREADS=1 and the like), as a new interpreter would have it after `import vllm`
+        by_imports = {k: v for k, v in os.environ.items() if BASE.get(k) != v}
         os.environ.clear()
-        os.environ.update(req["env"])
+        os.environ.update({**req["env"], **by_imports})
         fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -70,10 +76,15 @@ def _engine(req: dict) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         print("QE-LAUNCH warm: forked from a process with vLLM imported", file=sys.stderr, flush=True)
         sys.argv = ["-m", *req["argv"]]
+        sys.modules.pop(req["module"], None)  # run as __main__ only, as `python -m` does (its imports stay)
         runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:
+        code = 130
     except BaseException:  # noqa: BLE001 - the engine's own error goes to its log, as a cold start's would
         traceback.print_exc()
     try:
@@ -101,7 +112,7 @@ def launch(req: dict, sock: socket.socket) -> dict:
             os.write(w, str(engine).encode())
             os.close(w)
             os.execve(sys.executable, [sys.executable, "-m", "pipeline.engines.engine_guard", "--pid", str(engine),
-                                       "--exit-file", req["exit_file"]], req["env"])
+                                       "--exit-file", req["exit_file"], "--owner", str(req["owner"])], req["env"])
         finally:
             os._exit(127)
     os.close(w)
