@@ -62,7 +62,11 @@ class WarmProc:
             return self.returncode
         try:
             p = psutil.Process(self.pid)
-            if p.create_time() == self._created and p.status() != psutil.STATUS_ZOMBIE:
+            # the same process, not a reused pid: start times within 2 s, not equal, since psutil derives them
+            # from the kernel's boot time, which a VM's clock adjustments move (a poll every 0.25 s for the
+            # engine's whole life must never read a jitter as the engine's exit)
+            same = self._created is None or abs(p.create_time() - self._created) < 2.0
+            if same and p.status() != psutil.STATUS_ZOMBIE and not self.exit_file.exists():
                 return None
         except psutil.Error:
             pass
