@@ -76,7 +76,8 @@ def test_a_warm_start_is_the_cold_start_forked(tmp_path, monkeypatch):
             assert psutil.Process(server[0]).cwd() == os.getcwd(), how
             assert any("VLLM" in psutil.Process(p).name() for p in members), how  # vLLM's core titles itself
             answer = _complete(srv)
-            got[how] = {**answer, "log": log.read_text(errors="replace"), "start_s": srv.start_s,
+            got[how] = {**answer, "log": log.read_text(errors="replace"),
+                        "launcher": launcher._launcher.proc.pid if how != "cold" else None,
                         "rss": srv.memory.peak_tree_rss, "members": len(members), "guard": guard_cmd,
                         "guard_rss": guard_rss}
         assert not _gone(members, 10), f"{how}: the engine's group outlived its stop"
@@ -92,9 +93,9 @@ def test_a_warm_start_is_the_cold_start_forked(tmp_path, monkeypatch):
         assert "pipeline.engines.engine_guard --pid" in got[how]["guard"], got[how]["guard"]
         assert got[how]["guard_rss"] < 2 * got["cold"]["guard_rss"], (got[how]["guard_rss"], got["cold"]["guard_rss"])
         assert got[how]["rss"] < 1.2 * got["cold"]["rss"], (got[how]["rss"], got["cold"]["rss"])
-    # the launcher had imported vLLM: the second warm start does not import it again
-    assert got["warm again"]["start_s"] < got["cold"]["start_s"] - 5, (got["warm again"]["start_s"],
-                                                                       got["cold"]["start_s"])
+    # both warm engines were forked from one launcher that had imported vLLM: the second imported nothing
+    # again (how much sooner it is ready is the benchmark's to say, not a test's)
+    assert got["warm again"]["launcher"] == got["warm"]["launcher"] and launcher._launcher.ready()
 
 
 @pytest.mark.integration

@@ -25,14 +25,14 @@ import sys
 import time
 
 
+def kill_group(*_args) -> None:
+    os.killpg(os.getpgid(0), signal.SIGKILL)  # the engine tree and this guard
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--pid"]:
         return _guard_child(int(argv[1]), argv[argv.index("--exit-file") + 1], int(argv[argv.index("--owner") + 1]))
     parent = os.getppid()
-
-    def kill_group(*_args) -> None:
-        os.killpg(os.getpgid(0), signal.SIGKILL)  # the engine tree and this guard
-
     signal.signal(signal.SIGUSR1, kill_group)
     try:
         import ctypes
@@ -72,7 +72,7 @@ def _guard_child(pid: int, exit_file: str, owner: int) -> int:
                 f.write(str(code))
             return code if code >= 0 else 128 - code
         if not _alive(owner):
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+            kill_group()
         time.sleep(0.5)
 
 if __name__ == "__main__":

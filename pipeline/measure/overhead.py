@@ -12,16 +12,15 @@ here, per host, engine environment and dtype:
               activations). Used only to predict: whether a budget holds the model (validate) and the
               capacity of a variant no engine runs natively here (projected, and labelled so).
 
-Both move with the model, not only the host: gemma3-270m's float32 engine held 2.5 GiB besides its weights
-and its API server 1.7 GiB (a 262k-token vocabulary's tokenizer and embeddings) where the default model's
-held 0.9 and 0.95. So the figures are kept per host *and base model* (its builtin name or path): one model's
-run never resizes another's. Every budget-sized engine that serves the systems load measures both (its peak
-from the memory sampler, the rest read back from its log). A run fixes the figures it uses when it first
-needs them (the run folder's engine-overhead.json), so every variant of a run is sized alike. `outside`
-starts at PRIOR and only rises, and only by more than the budget's tolerance (a serving load heavier than
-any before): `outside` keys every budget-sized result, so a rerun, or another recipe on the same model,
-keys the same results, and a heavier recipe's peak is kept from then on. Each engine's own peak, checked
-against the budget, says whether the figure held.
+Both move with the model, not only the host: a large vocabulary's tokenizer and embeddings (gemma3-270m's 262k
+tokens) make both several times the default model's (docs/performance.md). So the figures are kept per host
+*and base model* (its builtin name or path): one model's run never resizes another's. Every budget-sized
+engine that serves the systems load measures both (its peak from the memory sampler, the rest read back from
+its log). A run fixes the figures it uses when it first needs them (the run folder's engine-overhead.json), so
+every variant of a run is sized alike. `outside` starts at PRIOR and only rises, and only by more than the
+budget's tolerance (a serving load heavier than any before): `outside` keys every budget-sized result, so a
+rerun, or another recipe on the same model, keys the same results, and a heavier recipe's peak is kept from
+then on. Each engine's own peak, checked against the budget, says whether the figure held.
 """
 
 from __future__ import annotations
@@ -90,14 +89,22 @@ def record_refusal(dtype: str, model: str, runtime_bytes: int) -> None:
     """An engine of `model` refused to start because, loaded, it held more than its budget left it: keep its
     runtime (held besides weights and pool) for this model on this host, so validate and the next run's plan
     predict it before any engine starts."""
-    path = _host_file(dtype, model)
-    d = _read(path, host_key(dtype, model)) or {**PRIOR, **_FIRST}
+    old = _stored(dtype, model)
     when = f"measured on this host by an engine of {model} that refused its budget ({time.strftime('%Y-%m-%d %H:%M')})"
-    d = {**d, "runtime_bytes": int(runtime_bytes), "runtime_source": when}
-    d["source"] = f"outside: {d['outside_source']}; runtime: {d['runtime_source']}"
+    _store(dtype, model, {**(old or {**PRIOR, **_FIRST}), "runtime_bytes": int(runtime_bytes), "runtime_source": when})
+
+
+def _stored(dtype: str, model: str | None) -> dict | None:
+    return _read(_host_file(dtype, model), host_key(dtype, model))
+
+
+def _store(dtype: str, model: str | None, d: dict) -> None:
+    """Write a model's figures on this host, their source said from each figure's own."""
+    d = {**d, "source": f"outside: {d['outside_source']}; runtime: {d['runtime_source']}", "key": host_key(dtype, model)}
+    path = _host_file(dtype, model)
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {**d, "key": host_key(dtype, model)})
+        write_json(path, d)
 
 
 def for_run(run_root: Path, dtype: str, log=print, model: str | None = None) -> dict:
@@ -135,8 +142,7 @@ def record(dtype: str, figures: dict | None, tolerance_bytes: int, who: str, mod
     the tolerance. Each figure's source says which engine set it."""
     if not figures or "runtime_bytes" not in figures:
         return
-    path = _host_file(dtype, model)
-    old = _read(path, host_key(dtype, model))
+    old = _stored(dtype, model)
     base = old or {**PRIOR, **_FIRST}
     when = f"measured on this host by an engine of {who} ({time.strftime('%Y-%m-%d %H:%M')})"
     new = dict(base)
@@ -146,7 +152,4 @@ def record(dtype: str, figures: dict | None, tolerance_bytes: int, who: str, mod
         new.update(runtime_bytes=figures["runtime_bytes"], runtime_source=when)
     if old is not None and new == old:
         return
-    new["source"] = f"outside: {new['outside_source']}; runtime: {new['runtime_source']}"
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {**new, "key": host_key(dtype, model)})
+    _store(dtype, model, new)

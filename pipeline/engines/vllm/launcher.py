@@ -1,9 +1,10 @@
 """Warm engine starts: each engine forked from one process that has imported vLLM already.
 
-Most of a CPU engine start is Python importing vLLM and torch (engine_start.py's phases: the API
-server's first line comes ~10-14 s after launch on 2 cores; loading weights, sizing the pool and warming
-up take a few seconds). A run starts one engine per variant, all with the same environment and command
-line but the model, so the import is the same work each time. The launcher starts zygote.py once, in
+Most of a CPU engine start is Python importing vLLM and torch: the phases benchmarks/engine_start.py
+times show the API server's first line long after launch, and loading weights, sizing the pool and warming
+up as a small part of the rest (benchmarks/results/engine_start.md has the figures per CPU kind). A run
+starts one engine per variant, all with the same environment and command line but the model, so the
+import is the same work each time. The launcher starts zygote.py once, in
 the background (`prestart`, at the start of a local run, so the import overlaps with the run's own
 preparation), and each engine is then forked from it: same Python, same vLLM, same command line, same
 environment, run as `python -m` runs it; the engine tree's shape (a guard, the API server, its forked
@@ -24,6 +25,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -132,10 +134,11 @@ class Launcher:
             try:
                 self.sock.sendall((json.dumps(req) + "\n").encode())
                 answer = self._answer(t0, timeout_s, say)
-            except BaseException:
+            except OSError:
                 self.close()  # its answer, when it came, would be read as the next launch's
-                if isinstance(sys.exc_info()[1], OSError):
-                    return None
+                return None
+            except BaseException:
+                self.close()
                 raise
             if answer is None:
                 self.close()
@@ -177,9 +180,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for f in self.dir.iterdir():
-            f.unlink(missing_ok=True)
-        self.dir.rmdir()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 _launcher: Launcher | None = None

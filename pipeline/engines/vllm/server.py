@@ -25,6 +25,7 @@ import psutil
 from pipeline.engines.interface import EngineError, KVLayout, Launch, free_port, wait_ready
 from pipeline.engines.memory import MemorySampler, device_used_bytes
 from pipeline.engines.vllm.launcher import get as warm_launcher
+from pipeline.engines.vllm.sizing import GIB as SIZING_GIB
 from pipeline.engines.vllm.sizing import fraction as sized_fraction
 from pipeline.engines.vllm.sizing import readback as sizing_readback
 from pipeline.engines.vllm.sizing import refusal as sizing_refusal
@@ -296,7 +297,7 @@ class Server:
         w = self.loaded_weights()
         weights = w["parameters"] + w["buffers"] if w else None
         self.refused = {**r, "weights_bytes": weights}
-        gib = 2**30
+        gib = SIZING_GIB
         held = (f"{r['non_kv_bytes'] / gib:.2f} GiB before any KV pool" +
                 (f" (weights {weights / gib:.2f} GiB as loaded, runtime {(r['non_kv_bytes'] - weights) / gib:.2f} GiB)"
                  if weights is not None else ""))
