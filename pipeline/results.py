@@ -341,6 +341,9 @@ class SystemsResult(StageResult):
     device_memory_source: str | None = Field(
         None, description="How the device memory was attributed: per process, or the whole GPU (approximate).")
     engine_start_s: float | None = None
+    engine_launch: str | None = Field(
+        None, description="How that engine started, which its start time depends on: cold (a new interpreter), "
+        "warm (forked from a process with vLLM imported), or warm after waiting for that process's import.")
     kv: KVCapacity | None = None
     workload: dict = Field(default_factory=dict)
     latency: Latency | None = None

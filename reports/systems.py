@@ -25,7 +25,8 @@ def _memory_row(name: str, s: SystemsResult) -> list[str]:
     return [escape(name), mib(s.checkpoint_bytes), mib(s.weight_memory_bytes),
             mib(s.peak_memory_bytes) + (dev_txt if dev else ""), fmt(kv.tokens), fmt(kv.tokens_config),
             fmt(kv.num_blocks), fmt(kv.block_size), fmt(kv.bytes_per_token_config), fmt(kv.max_concurrency, 2),
-            f"{fmt(kv.admission_sequences)} (KV alone {fmt(kv.admission_kv_only)})", fmt(s.engine_start_s, 0)]
+            f"{fmt(kv.admission_sequences)} (KV alone {fmt(kv.admission_kv_only)})", fmt(s.engine_start_s, 0) +
+            (f" ({escape(s.engine_launch)})" if s.engine_launch else "")]
 
 
 def memory_section(run: Run) -> str:
@@ -37,7 +38,8 @@ def memory_section(run: Run) -> str:
             "once the model is loaded, reported from inside it (engine dtype; quantized tensors as stored). "
             "Peak memory: RSS summed over the engine's process tree (GPU: plus device memory), "
             "sampled every 0.25 s "
-            "(approximate: a shorter spike can be missed).</p>"
+            "(approximate: a shorter spike can be missed). Engine start: launch to ready; a warm start is "
+            "forked from a process that has vLLM imported, a cold one imports it anew.</p>"
             + table(["variant", "checkpoint", "weights loaded", "peak memory", "KV tokens (engine)",
                      "KV tokens (config)", "blocks", "block", "KV bytes/token", "max conc. @max_len",
                      "admission @workload (≤ max_num_seqs)",

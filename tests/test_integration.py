@@ -210,6 +210,10 @@ def test_every_kind_of_variant_end_to_end(run):
         assert s["checkpoint_bytes"] == qz["checkpoint_bytes"] < base["checkpoint_bytes"]
         # one budget: smaller weights, a bigger predicted pool (the measured one: the test below)
         assert s["kv"]["plan"]["predicted_tokens"] > base["kv"]["plan"]["predicted_tokens"]
+        assert s["engine_launch"] == "warm"  # the launcher had imported vLLM by the variant's turn
+    # how each engine started is recorded beside its start time: the baseline's start may include the wait
+    # for the launcher's import, begun with the run
+    assert base["engine_launch"].startswith("warm") and base["engine_start_s"] > 0
     imp = load(run, "imported", "quantize.json")
     assert imp["scheme"] == "import (gptq)" and imp["checkpoint_dir"] == str(run["tmp"] / "tiny-gptq")
     assert load(run, "imported", "support.json")["format"] == "wna16"
@@ -226,6 +230,7 @@ def test_every_kind_of_variant_end_to_end(run):
         assert s["kv"]["tokens"] >= 2 * base["kv"]["tokens"] - s["kv"]["block_size"]
     html = (run["dir"] / "report.html").read_text()
     assert "Schemes and engine support" in html and "import (gptq)" in html
+    assert f"({base['engine_launch']})" in html  # beside the start time it qualifies
 
 
 def test_kv_capacity_matches_engine_and_config(run):

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import urllib.request
@@ -76,7 +79,8 @@ def test_a_warm_start_is_the_cold_start_forked(tmp_path, monkeypatch):
             assert psutil.Process(server[0]).cwd() == os.getcwd(), how
             assert any("VLLM" in psutil.Process(p).name() for p in members), how  # vLLM's core titles itself
             answer = _complete(srv)
-            got[how] = {**answer, "log": log.read_text(errors="replace"),
+            assert srv.launch == "cold" if how == "cold" else srv.launch.startswith("warm"), (how, srv.launch)
+            got[how] = {**answer, "log": log.read_text(errors="replace"), "launch": srv.launch,
                         "launcher": launcher._launcher.proc.pid if how != "cold" else None,
                         "rss": srv.memory.peak_tree_rss, "members": len(members), "guard": guard_cmd,
                         "guard_rss": guard_rss}
@@ -96,6 +100,79 @@ def test_a_warm_start_is_the_cold_start_forked(tmp_path, monkeypatch):
     # both warm engines were forked from one launcher that had imported vLLM: the second imported nothing
     # again (how much sooner it is ready is the benchmark's to say, not a test's)
     assert got["warm again"]["launcher"] == got["warm"]["launcher"] and launcher._launcher.ready()
+    assert got["warm again"]["launch"] == "warm"  # no wait for an import: its start time says so
+
+
+def test_an_exit_code_half_written_is_not_read_as_the_engines():
+    """The guard writes the engine's exit code into a file the pipeline polls; read while it is being
+    written (empty) with the guard alive, it is no code yet, not the -1 of an engine killed by a signal."""
+    guard = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            exit_file = Path(d) / "engine.exit"
+            proc = launcher.WarmProc(guard.pid, exit_file)
+            assert proc.poll() is None
+            exit_file.write_text("")
+            assert proc.poll() is None
+            exit_file.write_text("3")
+            assert proc.poll() == 3
+    finally:
+        guard.kill()
+        guard.wait()
+
+
+def test_a_node_short_of_memory_for_an_engine_beside_the_launcher_gets_the_launchers_memory(tmp_path, monkeypatch):
+    """The launcher holds its import of vLLM outside every engine. Where the node cannot hold the budget's
+    engine beside it, it stands aside (for the rest of the run) and the node is read again; without a
+    launcher to free, the start fails naming the budget."""
+    from pipeline.engines.interface import EngineError
+    from pipeline.engines.vllm import server as vserver
+
+    reads, said = [], []
+    running = {"launcher": True}
+
+    def fraction(budget, outside, tp):
+        reads.append(running["launcher"])
+        if running["launcher"]:
+            raise ValueError("their NUMA node has 1.00 of 8.00 GiB available now")
+        return {"fraction": 0.5}
+
+    def stand_aside():
+        was, running["launcher"] = running["launcher"], False
+        return was
+
+    monkeypatch.setattr(vserver, "sized_fraction", fraction)
+    monkeypatch.setattr(vserver, "launcher_stand_aside", stand_aside)
+    srv = vserver.Server(Launch(tmp_path, ENGINE, "float32", tmp_path / "e.log", memory_budget_bytes=2 << 30,
+                                outside_bytes=0, say=said.append))
+    assert srv._sized() == {"fraction": 0.5} and reads == [True, False] and "stands aside" in said[0]
+    running["launcher"] = True
+    monkeypatch.setattr(vserver, "launcher_stand_aside", lambda: False)  # nothing to free
+    with pytest.raises(EngineError, match="engine.memory_budget_gib: their NUMA node"):
+        srv._sized()
+
+
+@pytest.mark.integration
+def test_an_engine_whose_launch_was_never_answered_goes_down_with_the_launcher(tmp_path, monkeypatch):
+    """A launch given up at its deadline leaves the launcher's answer unread: the engine it forked is nobody's
+    to stop, so closing the launcher stops it (here a stand-in server module, forked as an engine is)."""
+    monkeypatch.setenv("QE_ENGINE_LAUNCH", "warm")
+    warm = launcher.Launcher(vllm.server.launch_env())
+    try:
+        req = {"module": "http.server", "argv": ["--bind", "127.0.0.1", "0"], "env": warm.env, "cwd": str(tmp_path),
+               "log": str(tmp_path / "e.log"), "exit_file": str(tmp_path / "e.exit"), "owner": os.getpid()}
+        warm.sock.sendall((json.dumps(req) + "\n").encode())
+        ready, _, _ = select.select([warm.sock], [], [], 300)
+        assert ready, "the launcher did not answer"
+        time.sleep(0.5)  # the whole line
+        pgid = json.loads(warm.sock.recv(1 << 16, socket.MSG_PEEK).split(b"\n")[0])["pid"]
+        members = _group(pgid)
+        assert len(members) == 2  # the guard and the stand-in engine, serving
+        folder = warm.dir
+    finally:
+        warm.close()
+    assert not _gone(members, 10), "an engine nobody was told of outlived its launcher"
+    assert not folder.exists()
 
 
 @pytest.mark.integration

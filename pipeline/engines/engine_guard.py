@@ -68,8 +68,9 @@ def _guard_child(pid: int, exit_file: str, owner: int) -> int:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             code = os.waitstatus_to_exitcode(status)
-            with open(exit_file, "w") as f:
+            with open(exit_file + ".tmp", "w") as f:  # whole or not at all: the launcher's caller polls it
                 f.write(str(code))
+            os.replace(exit_file + ".tmp", exit_file)
             return code if code >= 0 else 128 - code
         if not _alive(owner):
             kill_group()

@@ -82,6 +82,7 @@ class Engine(Protocol):
     log_path: Path
     memory: object
     start_s: float | None
+    launch: str  # how it started, which start_s depends on: "cold", "warm", "warm, after the launcher's import"
     busy_s: float
 
     @property

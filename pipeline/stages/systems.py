@@ -103,6 +103,7 @@ def run_systems(server: Engine, model_dir: Path, recipe, variant: str, input_has
         host=socket.gethostname(),
         duration_s=time.perf_counter() - t0,
         checkpoint_bytes=weight_bytes(model_dir), engine_start_s=server.start_s, kv=kv,
+        engine_launch=server.launch,
         weight_memory=loaded or {},
         weight_memory_bytes=loaded["parameters"] + loaded["buffers"] if loaded else None,
         workload={**w.model_dump(), "prefix_cache": "enabled; primary cell: prompts distinct (cold); "

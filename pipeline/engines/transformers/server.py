@@ -29,6 +29,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.memory: MemorySampler | None = None
         self.start_s: float | None = None
+        self.launch = "cold"  # a new interpreter each start
         self.busy_s = 0.0
         self._t0: float | None = None
 

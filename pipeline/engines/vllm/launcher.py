@@ -26,6 +26,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -68,14 +69,16 @@ class WarmProc:
             # from the kernel's boot time, which a VM's clock adjustments move (a poll every 0.25 s for the
             # engine's whole life must never read a jitter as the engine's exit)
             same = self._created is None or abs(p.create_time() - self._created) < 2.0
-            if same and p.status() != psutil.STATUS_ZOMBIE and not self.exit_file.exists():
-                return None
+            alive = same and p.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
-            pass
+            alive = False
         try:
-            self.returncode = int(self.exit_file.read_text())
-        except (OSError, ValueError):
-            self.returncode = -1  # killed with its group (a signal leaves no code to read)
+            code = int(self.exit_file.read_text())
+        except (OSError, ValueError):  # not written yet, or the guard was killed with its group
+            code = None
+        if code is None and alive:
+            return None
+        self.returncode = -1 if code is None else code  # -1: a signal leaves no code to read
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -96,7 +99,8 @@ class Launcher:
         ours, theirs = socket.socketpair()
         self.dir = Path(tempfile.mkdtemp(prefix="qe-launcher-"))
         with open(self.dir / "launcher.log", "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.engines.vllm.zygote", str(theirs.fileno())],
+            self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.engines.vllm.zygote", str(theirs.fileno()),
+                                          str(self.dir)],
                                          env=self.env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         theirs.close()
@@ -166,13 +170,12 @@ class Launcher:
         return json.loads(line)
 
     def close(self) -> None:
+        """Stop the launcher. An engine it forked for a launch whose answer was never read (given up at the
+        deadline, or cut by an error) is nobody's to stop: the launcher kills it if it had not answered yet
+        (zygote.py), and an answer it had sent is read here and its engine killed."""
         if self.closed:
             return
         self.closed = True
-        try:
-            self.sock.close()
-        except OSError:
-            pass
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -180,17 +183,57 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        for pid in self._unread_answers():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _unread_answers(self) -> list[int]:
+        """The engine groups of answers still in the socket (the launcher has exited: all it sent is there)."""
+        buf = self.buf
+        try:
+            self.sock.setblocking(False)
+            while data := self.sock.recv(1 << 16):
+                buf += data
+        except OSError:  # nothing more to read, or the socket is gone
+            pass
+        pids = []
+        for line in buf.split(b"\n"):
+            try:
+                pids.append(int(json.loads(line)["pid"]))
+            except (ValueError, KeyError, TypeError):
+                pass
+        return pids
 
 
 _launcher: Launcher | None = None
 _guard = threading.Lock()
+_aside = False  # stood aside for good in this process (stand_aside)
 
 
 def enabled() -> bool:
     from pipeline.setup import envs
 
-    return os.environ.get("QE_ENGINE_LAUNCH", "warm") != "cold" and not envs.has_nvidia_gpu()
+    return not _aside and os.environ.get("QE_ENGINE_LAUNCH", "warm") != "cold" and not envs.has_nvidia_gpu()
+
+
+def stand_aside() -> bool:
+    """Close this process's launcher and start no other: what its imports hold is the host's again, for an
+    engine that would not fit beside it. True when one was running."""
+    global _launcher, _aside
+    with _guard:
+        _aside = True
+        running = _launcher is not None and not _launcher.closed and _launcher.proc.poll() is None
+        if _launcher is not None:
+            _launcher.close()
+            _launcher = None
+        return running
 
 
 def get(env: dict[str, str]) -> Launcher | None:

@@ -25,6 +25,7 @@ import psutil
 from pipeline.engines.interface import EngineError, KVLayout, Launch, free_port, wait_ready
 from pipeline.engines.memory import MemorySampler, device_used_bytes
 from pipeline.engines.vllm.launcher import get as warm_launcher
+from pipeline.engines.vllm.launcher import stand_aside as launcher_stand_aside
 from pipeline.engines.vllm.sizing import GIB as SIZING_GIB
 from pipeline.engines.vllm.sizing import fraction as sized_fraction
 from pipeline.engines.vllm.sizing import readback as sizing_readback
@@ -182,6 +183,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.memory: MemorySampler | None = None
         self.start_s: float | None = None
+        self.launch = "cold"  # or warm (launcher.py); start_s counts a wait for the launcher's import
         self.sizing: dict | None = None  # sizing.fraction's figures, taken just before the launch
         self.refused: dict | None = None  # sizing.refusal's figures where vLLM refused the budget's pool
         self.busy_s = 0.0  # seconds the engine was alive, spawn to stop (the run's accounting)
@@ -229,17 +231,20 @@ class Server:
         gpu = envs.has_nvidia_gpu()
         device_before = device_used_bytes() if gpu else None  # for attributing device memory without PIDs
         if self.spec.memory_budget_bytes is not None and self.kv_pool_bytes is None and not gpu:
-            try:  # the node's memory now, as the worker will read it in a few seconds
-                self.sizing = sized_fraction(self.spec.memory_budget_bytes, self.spec.outside_bytes,
-                                             self.engine.tensor_parallel_size)
-            except ValueError as exc:
-                raise EngineError(f"engine.memory_budget_gib: {exc}") from None
+            self.sizing = self._sized()
         t0 = self._t_started = time.perf_counter()
         env = launch_env(self.numerics)
         warm = warm_launcher(env)  # forked from a process with vLLM imported; None: start cold
+        waits = warm is not None and not warm.ready()
         self.proc = warm.launch(SERVER_MODULE, self.engine_argv(), env, self.log_path, t0,
                                 self.engine.startup_timeout_s, self.spec.say) if warm else None
+        self.launch = ("warm, after the launcher's import" if waits else "warm") if self.proc else "cold"
         if self.proc is None:
+            if time.perf_counter() - t0 > self.engine.startup_timeout_s:  # given up waiting for the launcher
+                log.close()
+                raise EngineError(f"the engine did not start within engine.startup_timeout_s = "
+                                  f"{self.engine.startup_timeout_s:g} s: the warm launcher had not imported vLLM "
+                                  f"by then (QE_ENGINE_LAUNCH=cold starts each engine in a new interpreter)")
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         log.close()
@@ -262,6 +267,21 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    def _sized(self) -> dict:
+        """sizing.fraction for this launch: the node's memory now, as the worker will read it in a few
+        seconds. A node too short for it with the warm launcher running gets the launcher's memory back
+        (the launcher stands aside for the rest of the run) and is read again."""
+        while True:
+            try:
+                return sized_fraction(self.spec.memory_budget_bytes, self.spec.outside_bytes,
+                                      self.engine.tensor_parallel_size)
+            except ValueError as exc:
+                if not launcher_stand_aside():
+                    raise EngineError(f"engine.memory_budget_gib: {exc}") from None
+                if self.spec.say is not None:
+                    self.spec.say("the warm launcher stands aside: the node is short of memory for this engine "
+                                  "beside it; engines start cold from here")
 
     @contextlib.contextmanager
     def blamed_for_errors(self):

@@ -13,16 +13,21 @@ module run as `python -m` runs it), and the child then execs
 engine_guard, a fresh small interpreter, so the tree's memory holds no extra copy of these imports
 (engines/memory.py sums RSS over the tree). It has run no OpenMP region when it forks, holds no
 device and no event loop: the same state the API server forks its engine core from
-(hooks/sitecustomize.py). It exits when its caller closes the socket or dies.
+(hooks/sitecustomize.py). It exits when its caller closes the socket or dies, removing its folder
+(the one its log is in); stopped by SIGTERM (the caller's close) between forking an engine and
+answering for it, it kills that engine first, since no caller will ever stop it.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import json
 import os
 import select
+import shutil
+import signal
 import socket
 import sys
 import traceback
@@ -34,6 +39,7 @@ PRELOAD = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.launchers.api
 
 
 BASE = dict(os.environ)  # the environment it was started with, before any import wrote into it
+_unanswered: int | None = None  # the guard of the engine forked for the request not answered yet
 
 
 def preload() -> None:
@@ -96,12 +102,14 @@ def _engine(req: dict) -> None:
 
 
 def launch(req: dict, sock: socket.socket) -> dict:
+    global _unanswered
     r, w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the guard-to-be: a session of its own, the engine its child
         try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             sock.close()
             os.close(r)
             os.setsid()
@@ -115,6 +123,7 @@ def launch(req: dict, sock: socket.socket) -> dict:
                                        "--exit-file", req["exit_file"], "--owner", str(req["owner"])], req["env"])
         finally:
             os._exit(127)
+    _unanswered = pid
     os.close(w)
     got = os.read(r, 64)
     os.close(r)
@@ -123,10 +132,35 @@ def launch(req: dict, sock: socket.socket) -> dict:
     return {"pid": pid, "engine_pid": int(got)}
 
 
+def _stopped(*_args) -> None:
+    """SIGTERM: the caller closed this launcher, perhaps having given up on a launch in flight, whose engine
+    nobody would stop; the engines it did answer for are the caller's and keep serving."""
+    if _unanswered is not None:
+        for kill in (os.killpg, os.kill):  # its group once it opened its session; the child itself before
+            try:
+                kill(_unanswered, signal.SIGKILL)
+            except OSError:
+                pass
+    sys.exit(0)
+
+
 def main(argv: list[str]) -> int:
-    sock = socket.socket(fileno=int(argv[0]))
+    signal.signal(signal.SIGTERM, _stopped)
+    try:
+        return serve(socket.socket(fileno=int(argv[0])))
+    finally:  # its folder goes with it however it ends (a forked child never returns through here)
+        if len(argv) > 1:
+            shutil.rmtree(argv[1], ignore_errors=True)
+
+
+def serve(sock: socket.socket) -> int:
+    global _unanswered
     parent = os.getppid()
     preload()
+    # what the imports built stays out of the collector's reach: forked engines would otherwise copy the
+    # pages a collection touches, and each engine's tree would hold more of the launcher than it shares
+    gc.collect()
+    gc.freeze()
     print("QE-ZYGOTE ready", flush=True)
     buf = b""
     while True:
@@ -153,6 +187,7 @@ def main(argv: list[str]) -> int:
             except Exception as exc:  # noqa: BLE001 - the caller starts the engine cold instead
                 answer = {"error": f"{type(exc).__name__}: {exc}"}
             sock.sendall((json.dumps(answer) + "\n").encode())
+            _unanswered = None
 
 
 if __name__ == "__main__":
