@@ -1,6 +1,6 @@
 """The far end of the warm launcher (launcher.py): a process that imports vLLM once and forks engines.
 
-    python -m pipeline.engines.vllm.zygote FD
+    python -m pipeline.engines.vllm.zygote FD [FOLDER]
 
 Started with the environment every engine of the run shares. It imports what vLLM's API server imports
 (on a 2-core CPU machine, most of an engine start), then reads launch requests from the socket FD, one
