@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import urllib.request
@@ -103,19 +102,18 @@ def test_a_warm_start_is_the_cold_start_forked(tmp_path, monkeypatch):
     assert got["warm again"]["launch"] == "warm"  # no wait for an import: its start time says so
 
 
-def test_an_exit_code_half_written_is_not_read_as_the_engines():
+def test_an_exit_code_half_written_is_not_read_as_the_engines(tmp_path):
     """The guard writes the engine's exit code into a file the pipeline polls; read while it is being
     written (empty) with the guard alive, it is no code yet, not the -1 of an engine killed by a signal."""
     guard = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        with tempfile.TemporaryDirectory() as d:
-            exit_file = Path(d) / "engine.exit"
-            proc = launcher.WarmProc(guard.pid, exit_file)
-            assert proc.poll() is None
-            exit_file.write_text("")
-            assert proc.poll() is None
-            exit_file.write_text("3")
-            assert proc.poll() == 3
+        exit_file = tmp_path / "engine.exit"
+        proc = launcher.WarmProc(guard.pid, exit_file)
+        assert proc.poll() is None
+        exit_file.write_text("")
+        assert proc.poll() is None
+        exit_file.write_text("3")
+        assert proc.poll() == 3
     finally:
         guard.kill()
         guard.wait()
