@@ -80,6 +80,7 @@ class DriftQuality(Model):
     top_k: int
     perplexity: float
     corpus: str
+    code_windows: int = 0  # windows of the second text domain (code), in the samples beside the essays'
     samples_file: str
     samples_sha256: str | None = None
 
@@ -434,6 +435,8 @@ class VariantSignoff(Model):
     gates: list[GateOutcome] = Field(default_factory=list)
     paired: list[PairedSlice] = Field(default_factory=list)
     drift: PairedDrift | None = None
+    drift_code: PairedDrift | None = Field(None, description="Drift on the second text domain (code windows).")
+    data: str = Field("all", description="The quality data it was judged on: all, or a search's half of it.")
 
 
 class Signoff(Model):

@@ -11,6 +11,7 @@ they are per run.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import importlib.util
 import json
@@ -241,7 +242,7 @@ WORDS = ("marigold", "telescope", "pinecone", "saxophone", "lighthouse", "avalan
          "porcupine", "velvet", "harmonica", "tangerine")
 
 
-_ESSAY_IDS: dict[tuple, list[int]] = {}
+_CORPORA: dict[tuple, tuple[list[int], list[str] | None]] = {}
 
 
 def bos_prefix(tok) -> int | None:
@@ -254,13 +255,28 @@ def bos_prefix(tok) -> int | None:
     return bos if bos is not None and tok("a")["input_ids"] == [bos, *plain] else None
 
 
+def corpus(tok, domain: str) -> tuple[list[int], list[str] | None]:
+    """A corpus's documents as one token stream, tokenized once, and the document each token comes from
+    ('essays/<name>', 'code/HumanEval/12'); None where the tokenizer gives no character offsets (a slow one)."""
+    key = (domain, tok.name_or_path, len(tok))  # not id(): a freed tokenizer's id can be reused
+    if key not in _CORPORA:
+        docs = assets.essays() if domain == "essays" else assets.code_docs()
+        text = "\n\n".join(t for _, t in docs)
+        starts = [0]
+        for _, t in docs[:-1]:
+            starts.append(starts[-1] + len(t) + 2)
+        if getattr(tok, "is_fast", False):
+            enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            names = [f"{domain}/{docs[bisect.bisect_right(starts, a) - 1][0]}" for a, _ in enc["offset_mapping"]]
+        else:
+            enc, names = tok(text, add_special_tokens=False), None
+        _CORPORA[key] = (enc["input_ids"], names)
+    return _CORPORA[key]
+
+
 def essay_ids(tok) -> list[int]:
     """The packaged essays as one token stream (haystacks and the drift corpus), tokenized once."""
-    key = (tok.name_or_path, len(tok))  # not id(): a freed tokenizer's id can be reused
-    if key not in _ESSAY_IDS:
-        text = "\n\n".join(t for _, t in assets.essays())
-        _ESSAY_IDS[key] = tok(text, add_special_tokens=False)["input_ids"]
-    return _ESSAY_IDS[key]
+    return corpus(tok, "essays")[0]
 
 
 def needle_rows(tok, context_tokens: tuple[int, ...], depths: tuple[float, ...], per_cell: int) -> list[dict]:

@@ -1,6 +1,7 @@
 """The search's answer (RUN/search/search.json, written by pipeline/search/ladder.py): which candidate, what it
-keeps at higher precision, the frontier of every candidate built with its verdict, and the measured
-sensitivity per block and per Linear kind. Reads search.json only; it judges nothing.
+keeps at higher precision, every candidate built with its search-half and sealed-half figures side by side (the
+gap between them, the confirmation rule, the Pareto frontier), and the measured sensitivity per block and per
+Linear kind. Reads search.json only; it judges nothing.
 """
 
 from __future__ import annotations
@@ -24,25 +25,47 @@ def search_banner(run: Run) -> str:
                 "The variants it measured before that are signed off below.</div>")
     rows = {r["name"]: r for r in s.get("rows", []) + s.get("references", [])}
     answer = rows.get(s.get("answer") or "")
+    picked = rows.get(s.get("search_answer") or "")
     tried = (f"{s['candidates']} candidate(s) of at most {s['max_builds']} ({s['built_now']} built by this "
              "invocation, the rest reused from the cache)")
     if not answer:
-        return (f'<div class="banner FAIL">SEARCH: NONE PASSED — no candidate or reference passed every fail gate; '
-                f'{escape(tried)}</div>')
+        if picked:
+            sealed = picked.get("sealed") or {}
+            return (f'<div class="banner FAIL">SEARCH: NOT CONFIRMED — {escape(s.get("stopped_at") or picked["name"])} '
+                    f"passed on the search data and not on the sealed data (sealed {escape(sealed.get('verdict', '–'))}"
+                    f"); nothing is signed off</div><p class='small'>{escape(tried)}. {_rule(s)}</p>")
+        return (f'<div class="banner FAIL">SEARCH: NONE PASSED — no candidate or reference passed every fail gate '
+                f'on the search data; {escape(tried)}</div>')
     kept = (f"keeps {escape(describe_parts(answer['kept']))} at "
             f"{escape(answer['fallback'])}, every other decoder Linear at {escape(s['base_scheme'])} "
             f"g{s['group_size'] or 'channel'}" if answer["kind"] == "candidate" else "a reference variant of the recipe")
     how = (f"<p>Reproduce it as an ordinary variant: <code>quantize-eval {escape(s['reproduce_recipe'])}</code></p>"
            if s.get("reproduce_recipe") else "")
-    return (f'<div class="banner {escape(answer["verdict"])}">SEARCH ANSWER: {escape(answer["name"])} — '
-            f'{in_mib(answer["native_weight_bytes"]):.1f} MiB of weights as loaded natively; {kept}</div>'
-            f"<p class='small'>{escape(tried)}; objective: {escape(s['objective'])}. The run's verdict below "
-            "counts every candidate: a failing candidate is the search at work, not a failure of the answer.</p>"
-            + how)
+    verdict = (answer.get("sealed") or {}).get("verdict", answer["verdict"])
+    other = (f" The search data alone would have answered {escape(picked['name'])}; it did not hold on the sealed "
+             "data." if picked and picked["name"] != answer["name"] else "")
+    return (f'<div class="banner {escape(verdict)}">SEARCH ANSWER: {escape(answer["name"])} — '
+            f'{in_mib(answer["native_weight_bytes"]):.1f} MiB of weights as loaded natively; {kept}; '
+            f"confirmed on sealed data</div>"
+            f"<p class='small'>{escape(tried)}; objective: {escape(s['objective'])}.{other} {_rule(s)} The run's "
+            "verdict below counts every candidate on the sealed data: a failing candidate is the search at work, not "
+            "a failure of the answer.</p>" + how)
+
+
+def _rule(s: dict) -> str:
+    if not s.get("confirmation_rule"):
+        return ""
+    return (f"The ladder read only the search half of the quality data (split seed {s.get('split_seed', 0)}); "
+            f"{escape(s.get('margin_rule', ''))}; the answer is signed off on the sealed half, by this rule: "
+            f"{escape(s['confirmation_rule'])}.")
 
 
 def _ci(pair) -> str:
     return f" [{fmt(pair[0], 3)}, {fmt(pair[1], 3)}]" if pair else ""
+
+
+def _signed(x) -> str:
+    return "–" if x is None else f"{x:+.3f}"
 
 
 def search_section(run: Run) -> str:
@@ -55,10 +78,23 @@ def search_section(run: Run) -> str:
                 f"k={r['k']}" + (f" at {r['fallback']}: {describe_parts(r['kept'])}"
                                  if r["k"] else " (uniform)"))
         kv = fmt(r["kv_tokens"]) + (" (projected)" if r["kv_projected"] else "") if r["kv_tokens"] else "–"
-        rows.append([escape(r["name"]), escape(what), tag(r["verdict"]),
-                     fmt(r["top1_agreement"], 3) + _ci(r.get("top1_ci")), fmt(r["kl_mean"], 5),
+        z = r.get("sealed") or {}
+        gap = r.get("gap") or {}
+        mark = ("answer" if r["name"] == s.get("answer") else "confirmed" if r.get("confirmed") else
+                "stopped here" if r["name"] == s.get("stopped_at") else "–")
+        code = fmt(z.get("code_top1_agreement"), 3) + _ci(z.get("code_top1_ci")) if z.get("code_windows") else "–"
+        look = tag(r["verdict"]) + (" <span class='small'>short of the replication margin</span>"
+                                    if r.get("search_pass") is False and r["verdict"] in ("PASS", "WARN") else "")
+        rows.append([escape(r["name"]), escape(what), look, tag(z["verdict"]) if z else "–",
+                     escape(mark),
+                     fmt(r["top1_agreement"], 3) + _ci(r.get("top1_ci")),
+                     fmt(z.get("top1_agreement"), 3) + _ci(z.get("top1_ci")), code,
+                     _signed(gap.get("top1_agreement")),
                      fmt(r["accuracy_delta"], 3) + _ci(r.get("accuracy_delta_ci")),
-                     mib(r["native_weight_bytes"]), mib(r["checkpoint_bytes"]), kv,
+                     fmt(z.get("accuracy_delta"), 3) + _ci(z.get("accuracy_delta_ci")),
+                     _signed(gap.get("accuracy_delta")), fmt(r["kl_mean"], 5),
+                     mib(r["native_weight_bytes"]), mib(r["checkpoint_bytes"]), kv, fmt(r.get("tpot_p95_ms"), 1),
+                     "yes" if r.get("pareto") else "–",
                      "built" if r["built_now"] else ("cached" if r["kind"] == "candidate" else "–")])
     note = ("<p class='small muted'>Every row is a built checkpoint, evaluated and signed off like any variant; "
             "nothing on this table is extrapolated. Weights as loaded natively: floating-point tensors in the "
@@ -68,9 +104,35 @@ def search_section(run: Run) -> str:
             f"{s.get('sensitivity_tokens')} held-out tokens of the drift corpus; parts ("
             + escape(str(s.get("units", "blocks"))) + ") ranked by " + escape(_ranked_by(s))
             + "; it only chose which k to build.</p>")
-    table_html = table(["candidate", "keeps", "verdict", "top-1 [CI]", "KL", "Δ accuracy [CI]", "weights (native)",
-                        "checkpoint", "KV tokens", "build"], rows, left=2)
-    return ("<h2>Search frontier</h2>" + table_html + frontier_chart(s) + sensitivity_chart(s) + note)
+    table_html = table(["candidate", "keeps", "search verdict", "sealed verdict", "confirmation", "search top-1 [CI]",
+                        "sealed top-1 [CI]", "sealed top-1, code [CI]", "top-1 gap", "search Δ accuracy [CI]",
+                        "sealed Δ accuracy [CI]", "Δ accuracy gap", "search KL", "weights (native)", "checkpoint",
+                        "KV tokens", "p95 TPOT (ms)", "Pareto", "build"], rows, left=2)
+    return ("<h2>Search frontier: search data and sealed data</h2>" + _halves(s) + table_html + frontier_chart(s)
+            + sensitivity_chart(s) + note)
+
+
+def _halves(s: dict) -> str:
+    """What each half held, the winner's curse of the search's own pick, and the frontier's axes."""
+    if not s.get("confirmation_rule"):
+        return ""
+    rows = s.get("rows", []) + s.get("references", [])
+    z = next((r["sealed"] for r in rows if r.get("sealed")), {})
+    curse = s.get("winners_curse") or {}
+    curse_txt = ("; ".join(f"{k.replace('_', ' ')} {v:+.4f}" for k, v in curse.items())
+                 if curse else "no figure both halves have")
+    front = s.get("frontier") or {}
+    left = front.get("not_measured_for_every_point") or []
+    return ("<p class='small'>"
+            f"<b>Search half</b> (the ladder read it): the drift windows of half the essays, half of each suite's "
+            f"items. <b>Sealed half</b> (no step of the search read it): {z.get('windows', 0)} drift windows from "
+            f"other essays, {z.get('code_windows', 0)} windows of code (a second text domain, judged apart: scope "
+            f"'code'), and {z.get('items', 0)} paired items, the other half of each suite. "
+            f"<b>Winner's curse</b> of the search data's pick ({escape(s.get('search_answer') or 'none')}), search "
+            f"minus sealed: {escape(curse_txt)}. Positive gaps are what choosing on the search data adds; the sealed "
+            "column is the figure to sign on."
+            + f" <b>Pareto</b>: not beaten on every one of {escape(', '.join(front.get('axes') or ['–']))}"
+            + (f" (left out, not measured for every point: {escape(', '.join(left))})" if left else "") + ".</p>")
 
 
 def _ranked_by(s: dict) -> str:
@@ -82,10 +144,17 @@ def _ranked_by(s: dict) -> str:
 
 def frontier_chart(s: dict) -> str:
     """Top-1 agreement against weights as loaded natively, one dot per built candidate and reference,
-    coloured by verdict."""
-    pts = [(r["name"], in_mib(r["native_weight_bytes"]), r["top1_agreement"], r["verdict"])
-           for r in s.get("rows", []) + s.get("references", [])
-           if r["native_weight_bytes"] and r["top1_agreement"] is not None]
+    coloured by verdict: the sealed half's figures and verdicts, Pareto points ringed (a search from before the
+    halves: its single figures)."""
+    def sealed_or_search(r: dict) -> tuple:
+        z = r.get("sealed")
+        return (z.get("top1_agreement"), z.get("verdict"), r.get("pareto")) if z else (r["top1_agreement"],
+                                                                                        r["verdict"], False)
+
+    pts = [(r["name"], in_mib(r["native_weight_bytes"]), *sealed_or_search(r))
+           for r in s.get("rows", []) + s.get("references", []) if r["native_weight_bytes"]]
+    pts = [p for p in pts if p[2] is not None]
+    sealed = any(r.get("sealed") for r in s.get("rows", []))
     if not pts:
         return ""
     w, h, pad = 520, 300, 56
@@ -98,16 +167,18 @@ def frontier_chart(s: dict) -> str:
     def sy(y: float) -> float:
         return h - pad - (y - y0) / ((y1 - y0) or 1) * (h - 2 * pad)
 
-    dots = "".join(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{VERDICT_COLOUR.get(v, "#57606a")}"/>'
+    dots = "".join(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{VERDICT_COLOUR.get(v, "#57606a")}"'
+                   + (' stroke="#1b1f24" stroke-width="2"' if front else "") + "/>"
                    f'<text x="{sx(x) + 8:.1f}" y="{sy(y) - 6:.1f}" font-size="11">{escape(n)}</text>'
-                   for n, x, y, v in pts)
-    axes = (_axes(w, h, pad, "weights as loaded natively (MiB)", "top-1 agreement")
+                   for n, x, y, v, front in pts)
+    axes = (_axes(w, h, pad, "weights as loaded natively (MiB)", f"{'sealed ' if sealed else ''}top-1 agreement")
             + f'<text x="{pad}" y="{h - pad + 16}" font-size="11">{x0:.0f}</text>'
             f'<text x="{w - pad}" y="{h - pad + 16}" font-size="11" text-anchor="end">{x1:.0f}</text>'
             f'<text x="{pad - 4}" y="{h - pad}" font-size="11" text-anchor="end">{y0:.2f}</text>'
             f'<text x="{pad - 4}" y="{pad + 4}" font-size="11" text-anchor="end">{y1:.2f}</text>')
     return _figure(w, h, "Search frontier", axes + dots,
-                   "Searched frontier: better is up and left; green passes every fail gate, red fails one")
+                   "Searched frontier: better is up and left; green passes every fail gate, red fails one"
+                   + ("; judged on the sealed data, Pareto points ringed" if sealed else ""))
 
 
 def sensitivity_chart(s: dict) -> str:

@@ -35,7 +35,9 @@ def verdict_section(run: Run) -> str:
             for v in so.variants]
     head = ["variant", "computed as", "second engine agrees", "verdict", "why"]
     if run.search:  # the search's answer is the banner; this is every candidate's own sign-off
-        return "<h2>Sign-off of every candidate and reference</h2>" + table(head, rows, left=5)
+        where = (" on the sealed half of the quality data (the search never read it)"
+                 if run.search.get("confirmation_rule") else "")
+        return f"<h2>Sign-off of every candidate and reference{where}</h2>" + table(head, rows, left=5)
     base = (f"<p class='small'>The baseline, served by the same engine — second engine agrees: "
             f"{_agreement(run, 'baseline')}</p>") if "baseline" in run.variants else ""
     return (f'<div class="banner {escape(so.verdict)}">VERDICT: {escape(so.verdict)}{rec}{_why(so)}</div>'

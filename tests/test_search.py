@@ -14,7 +14,7 @@ import yaml
 
 from pipeline.recipe.schema import RecipeError, load
 from pipeline.recipe.search_section import SearchSpec
-from pipeline.search import mixed
+from pipeline.search import mixed, sealed
 from pipeline.search.ladder import choose, first_guess, ladder, next_k
 from reports.render import render_run
 from tests import minirun
@@ -188,26 +188,41 @@ def test_cli_exits_2_naming_the_field(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def _search_json(answer: str | None) -> dict:
+def _search_json(answer: str | None, sealed_verdict: str = "PASS") -> dict:
+    """A search.json as ladder._search writes it: the rows' search-half figures, their sealed half, and the
+    confirmation and frontier by pipeline/search/sealed.py itself."""
     row = {"name": "search-w8a16-k03", "kind": "candidate", "fallback": "w8a16", "k": 3,
            "kept": ["model.layers.11", "model.layers.12", "model.layers.2"], "verdict": "PASS", "reason": "",
            "gates": {}, "checkpoint_bytes": 120 * 2**20, "native_weight_bytes": 118 * 2**20, "kv_tokens": 9000,
            "kv_projected": True, "top1_agreement": 0.87, "top1_ci": [0.86, 0.88], "kl_mean": 0.03,
-           "accuracy_delta": -0.01, "accuracy_delta_ci": [-0.03, 0.01], "built_now": True, "quantize_wall_s": 50}
+           "accuracy_delta": -0.01, "accuracy_delta_ci": [-0.03, 0.01], "built_now": True, "quantize_wall_s": 50,
+           "tpot_p95_ms": None,
+           "sealed": {"verdict": sealed_verdict, "top1_agreement": 0.861, "top1_ci": [0.852, 0.870],
+                      "code_top1_agreement": 0.905, "code_top1_ci": [0.89, 0.92], "code_windows": 8, "windows": 12,
+                      "accuracy_delta": -0.02, "accuracy_delta_ci": [-0.05, 0.01], "items": 300}}
     uniform = {**row, "name": "search-uniform", "k": 0, "kept": [], "verdict": "FAIL", "top1_agreement": 0.78,
-               "native_weight_bytes": 110 * 2**20}
+               "native_weight_bytes": 110 * 2**20, "sealed": {**row["sealed"], "verdict": "FAIL"}}
     rows = [uniform, row] if answer else [uniform]
+    for r in rows:
+        r["search_pass"], r["gap"] = sealed.passes_search(r), sealed.gap(r)
+    confirmed, order, stopped = sealed.confirm(rows, "memory")
+    picked = choose(rows, "memory")
     return {"base_scheme": "gptq_w4a16", "group_size": 64, "fallbacks": ["w8a16"], "objective": "memory",
-            "max_builds": 6, "candidates": len(rows), "built_now": len(rows), "answer": answer,
-            "reproduce_recipe": "/runs/x/search/chosen-recipe.yaml" if answer else None,
+            "max_builds": 6, "candidates": len(rows), "built_now": len(rows),
+            "answer": confirmed["name"] if confirmed else None, "search_answer": picked["name"] if picked else None,
+            "confirmation_rule": sealed.RULE, "margin_rule": sealed.MARGIN_RULE, "confirmation_order": order,
+            "stopped_at": stopped, "frontier": sealed.frontier(rows), "split_seed": 0,
+            "winners_curse": picked["gap"] if picked else None,
+            "reproduce_recipe": "/runs/x/search/chosen-recipe.yaml" if confirmed else None,
             "sensitivity_grid": "int4 sym g64, round to nearest", "sensitivity_tokens": 2044,
             "ranking": ["model.layers.11"], "rows": rows, "references": [],
             "sensitivity": [{"kind": "block", "part": f"model.layers.{i}", "kl_mean": 0.01 * (i + 1),
                              "top1_agreement": 0.95, "modules": [], "params": 1} for i in range(3)]}
 
 
-@pytest.mark.parametrize("answer", ["search-w8a16-k03", None])
-def test_report_leads_with_the_answer_not_the_candidates_verdict(tmp_path, answer):
+@pytest.mark.parametrize("answer,sealed_verdict", [("search-w8a16-k03", "PASS"), (None, "PASS"),
+                                                   ("search-w8a16-k03", "INCONCLUSIVE")])
+def test_report_leads_with_the_answer_not_the_candidates_verdict(tmp_path, answer, sealed_verdict):
     import json
 
     r = minirun.recipe()
@@ -216,16 +231,25 @@ def test_report_leads_with_the_answer_not_the_candidates_verdict(tmp_path, answe
         "recipe": "awq", "recipe_hash": "h", "verdict": "FAIL", "exit_code": 1, "variants": [
             {"variant": "v4", "verdict": "FAIL", "reason": "top1_agreement[overall] FAIL"}]}))
     (root / "search").mkdir()
-    (root / "search" / "search.json").write_text(json.dumps(_search_json(answer)))
+    s = _search_json(answer, sealed_verdict)
+    (root / "search" / "search.json").write_text(json.dumps(s))
     html = render_run(root).read_text()
     assert "VERDICT: FAIL" not in html  # the candidates' verdict is a table here, not the banner
-    if answer:
+    assert "Sign-off of every candidate and reference on the sealed half" in html
+    if answer and sealed_verdict == "PASS":
         assert 'class="banner PASS">SEARCH ANSWER: search-w8a16-k03 — 118.0 MiB' in html
-        assert "keeps blocks 11, 12, 2 at w8a16" in html
-        assert "chosen-recipe.yaml" in html and "Search frontier" in html
+        assert "keeps blocks 11, 12, 2 at w8a16" in html and "confirmed on sealed data" in html
+        assert "chosen-recipe.yaml" in html and "Search frontier: search data and sealed data" in html
+        # search and sealed side by side, the gap between them, and the rule the answer was signed off by
+        assert "0.870 [0.860, 0.880]" in html and "0.861 [0.852, 0.870]" in html and "+0.009" in html
+        assert "0.905 [0.890, 0.920]" in html and "fixed sequence" in html and "Winner's curse" in html
+        assert s["answer"] == answer
+    elif answer:  # passed on the search data, not on the sealed data: nothing is signed off
+        assert 'class="banner FAIL">SEARCH: NOT CONFIRMED — search-w8a16-k03 passed on the search data' in html
+        assert s["answer"] is None and s["search_answer"] == answer
     else:
         assert 'class="banner FAIL">SEARCH: NONE PASSED' in html
-    assert json.loads((root / "results.json").read_text())["search"]["answer"] == answer
+    assert json.loads((root / "results.json").read_text())["search"]["answer"] == s["answer"]
 
 
 def test_a_search_that_fails_after_the_baseline_signs_off_what_it_measured(tmp_path, monkeypatch):
@@ -339,12 +363,13 @@ def test_the_curve_guesses_k_calibrated_on_the_last_measured_candidate():
             "curve": [{"k": 10, "top1_agreement": 0.80}, {"k": 20, "top1_agreement": 0.85},
                       {"k": 40, "top1_agreement": 0.90}]}
     uniform = {"top1_agreement": 0.77, "top1_ci": [0.76, 0.78]}  # measured 0.02 above the emulation
-    # the lower bound must clear 0.85: point >= 0.85 + 0.01 (its CI's half-width) + 0.005, i.e. an emulated
-    # 0.845 -> k = 19 on the segment from (10, 0.80) to (20, 0.85)
-    assert curve_guess(sens, {0: uniform}, 0.85, 60) == 19
+    # the widened lower bound must clear 0.85: point >= 0.85 + 0.01 x 1.84 (its CI's half-width, widened to the
+    # replication margin) + 0.005, i.e. an emulated 0.8534 -> k = 22 on the segment from (20, 0.85) to (40, 0.90)
+    assert round(sealed.WIDEN, 2) == 1.84
+    assert curve_guess(sens, {0: uniform}, 0.85, 60) == 22
     # the guess at 19 failed, measured 0.01 below the curve: the curve is shifted down for the next guess
     measured = {0: uniform, 19: {"top1_agreement": 0.835, "top1_ci": [0.82, 0.85]}}
-    assert curve_guess(sens, measured, 0.85, 60) == 32  # emulated 0.880 needed: (20, .85) .. (40, .90)
+    assert curve_guess(sens, measured, 0.85, 60) == 38  # emulated 0.8926 needed: (20, .85) .. (40, .90)
     assert curve_guess(sens, {0: uniform}, 0.99, 60) is None  # the curve never gets there
     assert curve_guess({}, {0: uniform}, 0.85, 60) is None  # an rtn sensitivity has no curve
 
@@ -363,8 +388,8 @@ def test_the_ladder_builds_the_curves_guess_then_bisects():
             "curve": [{"k": 10, "top1_agreement": 0.80}, {"k": 20, "top1_agreement": 0.85},
                       {"k": 40, "top1_agreement": 0.90}]}
     rows = ladder(SearchSpec(max_builds=8), ranked(60), 0.85, build, sens=sens)
-    assert calls[:2] == [0, 19]  # uniform, then the curve's guess (not the proportional one)
-    assert calls[2] > 19 and choose(rows, "memory")["name"] == "k24"
+    assert calls[:2] == [0, 22]  # uniform, then the curve's guess (not the proportional one)
+    assert calls[2] != 22 and choose(rows, "memory")["name"] == "k24"
     assert len(calls) <= 6
 
 
@@ -387,10 +412,10 @@ def test_inside_the_bracket_the_curve_picks_where_the_boundary_is():
 
     sens = {"uniform": {"top1_agreement": 0.78},
             "curve": [{"k": 50, "top1_agreement": 0.855}, {"k": 60, "top1_agreement": 0.865}]}
-    lo = {"top1_agreement": 0.776, "top1_ci": [0.770, 0.782]}  # k = 0: 0.004 below the curve
-    hi = {"top1_agreement": 0.858, "top1_ci": [0.852, 0.864]}  # k = 57: 0.004 below it (0.862)
+    lo = {"top1_agreement": 0.776, "top1_ci": [0.773, 0.779]}  # k = 0: 0.004 below the curve
+    hi = {"top1_agreement": 0.858, "top1_ci": [0.855, 0.861]}  # k = 57: 0.004 below it (0.862)
     k = bracket_guess(sens, {0: lo, 57: hi}, 0.85, 0, 57)
-    assert k == 55  # emulated 0.860 - 0.004 shift - 0.006 half-width = 0.850; at 54: 0.849
+    assert k == 55  # emulated 0.860 - 0.004 shift - 0.003 x 1.84 (widened half-width) = 0.8505; at 54: 0.8495
     assert bracket_guess(sens, {0: lo, 57: hi}, 0.80, 0, 57) < 30  # a low floor: far below the passing k
     assert bracket_guess(sens, {0: lo, 57: hi}, 0.99, 0, 57) == 56  # none predicted: the neighbour settles it
     assert bracket_guess({}, {0: lo, 57: hi}, 0.85, 0, 57) is None
@@ -402,7 +427,7 @@ def test_inside_the_bracket_the_curve_picks_where_the_boundary_is():
         top1 = 0.776 + 0.0015 * k
         ok = k >= 55
         return {"name": f"k{k}", "verdict": "PASS" if ok else "FAIL", "top1_agreement": top1,
-                "top1_ci": [top1 - 0.006, top1 + 0.006], "native_weight_bytes": 100 + k}
+                "top1_ci": [top1 - 0.003, top1 + 0.003], "native_weight_bytes": 100 + k}
 
     sens = {"uniform": {"top1_agreement": 0.776},
             "curve": [{"k": 40, "top1_agreement": 0.836}, {"k": 60, "top1_agreement": 0.866}]}

@@ -122,7 +122,8 @@ def searched(tmp_path_factory):
                    "seed": int.from_bytes(os.urandom(3), "little")},
         "calibration": {"num_samples": 4, "max_seq_len": 64, "dtype": "float32"},
         "quality": {"suites": ["drift", "asdiv"], "limit": 3, "bootstrap_samples": 200, "agreement_sample": 0,
-                    "drift": {"windows": 2, "window_tokens": 256}},
+                    # 8 windows from two essays (4 from each at most): one essay per half; code sealed only
+                    "drift": {"windows": 8, "window_tokens": 256, "code_windows": 2}},
         "workload": {"prompt_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
                      "warmup_requests": 1, "repeats": 2},
         "search": {"base_scheme": "rtn_w4a16", "group_size": 64, "fallbacks": ["w8a16"], "max_builds": 2,
@@ -152,20 +153,48 @@ def test_search_stops_at_the_cap_and_reports_what_it_found(searched):
     assert s["candidates"] == 2 and s["built_now"] == 2  # the cap
     # the uniform candidate does not pass its gate (FAIL, or INCONCLUSIVE where its point clears it)
     assert s["rows"][0]["name"] == "search-uniform" and s["rows"][0]["verdict"] in ("FAIL", "INCONCLUSIVE")
-    passing = [r for r in s["rows"] if r["verdict"] == "PASS"]
-    if passing:  # the best that passed, exit 0
+    confirmed = [r for r in s["rows"] + s["references"] if r["confirmed"]]
+    if confirmed:  # the cheapest confirmed on sealed data, exit 0
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        assert s["answer"] == min(passing, key=lambda r: r["native_weight_bytes"])["name"]
-    else:  # or it says that none passed, exit 1
-        assert p.returncode == 1 and s["answer"] is None and "SEARCH: NONE PASSED in 2 candidate(s)" in p.stdout
+        assert s["answer"] == min(confirmed, key=lambda r: r["native_weight_bytes"])["name"]
+    else:  # or it says that none passed or none held on the sealed data, exit 1
+        assert p.returncode == 1 and s["answer"] is None, p.stdout[-3000:]
+        assert ("SEARCH: NONE PASSED in 2 candidate(s)" in p.stdout) != ("SEARCH: NOT CONFIRMED" in p.stdout)
+
+
+def test_the_answer_is_signed_off_on_data_the_search_never_read(searched):
+    """Every built point carries both halves: the search half (what the ladder read) and the sealed half (other
+    essays, the code windows, the other half of each suite), and the run's own sign-off is the sealed one."""
+    from pipeline.measure.split import Split
+
+    s, run = searched["json"], searched["dir"]
+    for r in s["rows"] + s["references"]:
+        z = r["sealed"]
+        assert z["verdict"] in ("PASS", "WARN", "FAIL", "INCONCLUSIVE") and z["top1_agreement"] is not None
+        assert z["code_windows"] == 2 and z["code_top1_agreement"] is not None and z["items"] == 2  # 3 asdiv: 1 + 2
+        assert set(r["gap"]) == {"top1_agreement", "accuracy_delta"}  # both halves have both figures
+    rows = [json.loads(x) for x in (run / "baseline" / "samples" / "drift.jsonl").read_text().splitlines()]
+    look, seal = Split("search", 0).essays(rows), Split("sealed", 0).essays(rows)
+    assert look and seal and not look & seal and {r["domain"] for r in rows} == {"essays", "code"}
+    searched_windows = sum(1 for r in rows if r["domain"] == "essays" and r["doc"] in look)
+    assert s["rows"][0]["sealed"]["windows"] == 8 - searched_windows
+    so = json.loads((run / "signoff.json").read_text())
+    assert {v["data"] for v in so["variants"]} == {"sealed half, split seed 0"}
+    gates = {g["scope"] for v in so["variants"] if v["verdict"] != "FAILED-TO-RUN" for g in v["gates"]}
+    assert gates == {"overall", "code"}  # the top-1 gate on the sealed essays and on the code apart
+    assert s["confirmation_rule"].startswith("fixed sequence") and s["frontier"]["axes"][0] == \
+        "weights as loaded natively"
+    html = (run / "report.html").read_text()
+    assert "Search frontier: search data and sealed data" in html and "sealed top-1, code" in html
 
 
 def test_widened_search_finds_the_cheapest_passing_candidate(searched):
     p, s = searched["second"], searched["json"]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    passing = [r for r in s["rows"] if r["verdict"] == "PASS"]
-    best = min(passing, key=lambda r: r["native_weight_bytes"])
+    confirmed = [r for r in s["rows"] if r["confirmed"]]
+    best = min(confirmed, key=lambda r: r["native_weight_bytes"])
     assert s["answer"] == best["name"] and f"SEARCH: FOUND {best['name']}" in p.stdout
+    assert best["search_pass"] and best["sealed"]["verdict"] == "PASS"
     # every figure is measured: more parts kept at 8 bits, more bytes; top-1 from the engine's drift
     by_k = sorted(s["rows"], key=lambda r: r["k"])
     assert [r["native_weight_bytes"] for r in by_k] == sorted(r["native_weight_bytes"] for r in by_k)
@@ -219,3 +248,8 @@ def test_validate_checks_the_sensitivity_windows_against_the_corpus(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "validate", str(path)], capture_output=True,
                           text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert proc.returncode == 2 and "search.sensitivity.window_tokens: 4096" in proc.stderr
+    d["search"]["sensitivity"] = {"windows": 2, "window_tokens": 256}
+    path.write_text(yaml.safe_dump(d))  # 2 drift windows of 256 tokens: both from the last essay
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "validate", str(path)], capture_output=True,
+                          text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert proc.returncode == 2 and "quality.drift.windows: a search signs its answer off on essays" in proc.stderr

@@ -27,18 +27,57 @@ import numpy as np
 TINY = 1e-12
 
 
+def window_spans(n: int, count: int, length: int) -> list[tuple[int, int]]:
+    """[start, end) of `count` consecutive windows of `length` tokens taken from the end of an n-token
+    corpus backwards, in corpus order; ValueError when the corpus is too short."""
+    if count * length > n:
+        raise ValueError(f"the drift corpus has {n} tokens: too few for {count} windows of {length}")
+    return [(n - (count - j) * length, n - (count - j - 1) * length) for j in range(count)]
+
+
+PER_DOC = 4  # most windows cut from any one document
+
+
+def spread_spans(docs: list[str] | None, n: int, count: int, length: int,
+                 per_doc: int = PER_DOC) -> list[tuple[int, int]]:
+    """[start, end) of `count` windows of `length` tokens, in corpus order, taken from the documents at the
+    corpus's end backwards, at most `per_doc` from any one (each cut from its document's end): the windows span
+    several documents, so their bootstrap resamples less correlated text and a search can split them by document.
+    docs: each of the n tokens' document; None (unknown) gives consecutive windows (window_spans)."""
+    if docs is None:
+        return window_spans(n, count, length)
+    out: list[tuple[int, int]] = []
+    e = len(docs)
+    while e > 0 and len(out) < count:
+        s = e
+        while s > 0 and docs[s - 1] == docs[e - 1]:
+            s -= 1
+        take = min(per_doc, (e - s) // length, count - len(out))
+        out += [(e - (j + 1) * length, e - j * length) for j in range(take)]
+        e = s
+    if len(out) < count:
+        raise ValueError(f"the drift corpus has room for {len(out)} windows of {length} tokens ({per_doc} at most "
+                         f"from each document), not {count}")
+    return sorted(out)
+
+
+def held_out_end(docs: list[str] | None, spans: list[tuple[int, int]], n: int) -> int:
+    """The first token of the earliest document a window is cut from (of the earliest window where documents are
+    unknown): text before it shares no document with the windows."""
+    if not spans:
+        return n
+    a = min(s for s, _ in spans)
+    while docs is not None and a > 0 and docs[a - 1] == docs[a]:
+        a -= 1
+    return a
+
+
 def windows_from_ids(ids: list[int], count: int, length: int, bos: int | None = None) -> list[list[int]]:
     """`count` consecutive windows taken from the end of the corpus backwards (the needle suite
     cuts its haystacks from the start, so the two rarely share text). With `bos` (the token the model's
     tokenizer starts every text with) each window starts with it, at the same length: the model is scored
     as it is served."""
-    out, end = [], len(ids)
-    while len(out) < count and end - length >= 0:
-        out.append(ids[end - length:end] if bos is None else [bos] + ids[end - length + 1:end])
-        end -= length
-    if len(out) < count:
-        raise ValueError(f"the drift corpus has {len(ids)} tokens: too few for {count} windows of {length}")
-    return out[::-1]
+    return [ids[a:b] if bos is None else [bos] + ids[a + 1:b] for a, b in window_spans(len(ids), count, length)]
 
 
 def score_window(port: int, model: str, ids: list[int], top_k: int, timeout: float = 600) -> dict:

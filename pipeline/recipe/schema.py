@@ -145,6 +145,10 @@ class DriftSpec(Strict):
 
     windows: int = Field(8, ge=1, le=1000, description="Token windows scored (each one request).")
     window_tokens: int = Field(512, ge=16, description="Tokens per window.")
+    code_windows: int = Field(0, ge=0, le=1000, description="Windows of Python code (HumanEval's prompts and "
+                              "solutions, a second text domain) scored beside the essays; the drift gates are "
+                              "judged on each domain apart (scope 'code'), and a search signs its answer off on "
+                              "them as sealed data.")
     top_k: int = Field(20, ge=1, le=1000, description="Logprobs per position asked of the engine (above 20 the "
                        "engine gets --max-logprobs, the same for every variant). KL is computed over the tokens "
                        "both engines rank in their top k plus one bucket for the rest: a lower bound.")

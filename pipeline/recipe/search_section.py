@@ -63,6 +63,10 @@ class SearchSpec(Strict):
         "the model's dtype); capacity: the most KV tokens under engine.memory_budget_gib.")
     max_builds: int = Field(6, ge=1, le=64, description="Cap on candidate checkpoints built (the uniform base "
                             "scheme counts as one); the search stops there and reports the best that passed.")
+    split_seed: int = Field(0, ge=0, description="Which half of the quality data the search reads (its ladder "
+                            "chooses on it) and which half, never read by the search, signs the answer off (sealed): "
+                            "each suite's items and the drift corpus's essays cut in two by this seed; code windows "
+                            "(quality.drift.code_windows) are sealed whatever the seed.")
     sensitivity: SensitivitySpec = SensitivitySpec()
 
     @model_validator(mode="after")

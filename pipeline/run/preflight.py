@@ -68,8 +68,26 @@ def check_search(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
                              f"max_position_embeddings {limit}")
     try:
         sensitivity.windows(recipe, model_dir)
+        windows = _drift_windows(recipe, model_dir)
     except ValueError as exc:
         raise PreflightError(f"{recipe_path}: {exc}") from None
+    docs = {w["doc"] for w in windows if w["domain"] == "essays"}
+    if windows and len(docs) < 2:
+        d = recipe.quality.drift
+        raise PreflightError(f"{recipe_path}: quality.drift.windows: a search signs its answer off on essays it "
+                             f"never read, so the drift windows must span two essays or more; {d.windows} x "
+                             f"{d.window_tokens} tokens span {len(docs)}: raise quality.drift.windows")
+
+
+def _drift_windows(recipe: Recipe, model_dir: Path) -> list[dict]:
+    """The drift suite's windows (ValueError when its corpora are too short for them); [] without it."""
+    if "drift" not in recipe.quality.suites:
+        return []
+    from transformers import AutoTokenizer
+
+    from pipeline.stages import quality
+
+    return quality.drift_windows(AutoTokenizer.from_pretrained(model_dir), recipe.quality.drift)
 
 
 def _base_plan(recipe: Recipe, model_dir: Path):
@@ -272,6 +290,9 @@ def power_statements(recipe: Recipe) -> list[str]:
         scope = "harmbench" if g.metric == "refusal_rate_delta" and g.scope == "overall" else g.scope
         n = items_in_scope(recipe, scope)
         where = f"gates.{i} {g.metric}[{g.scope}] >= {g.threshold:g}"
+        if n and recipe.search is not None:  # the ladder reads half the items, the answer is signed on the other
+            n //= 2
+            where += " (a search judges each half of the items apart)"
         out.append(f"{where}: " + (power.noninferiority(n, -g.threshold).describe() if n else
                                     "item count known after the run (a slice, or a suite without a limit)"))
     return out

@@ -443,15 +443,16 @@ def _run(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
 
 
 def conclude(ctx: RunContext, manifest: dict, timings: dict[str, float], t_run: float, t_epoch: float,
-             extra: dict | None = None, headline: str | None = None):
-    """Sign off every variant of ctx.recipe, finish the manifest (with `extra` merged in), render the
-    page, print the verdict (or `headline`, a search's answer, above the run's verdict); the Signoff."""
+             extra: dict | None = None, headline: str | None = None, split=None):
+    """Sign off every variant of ctx.recipe (with `split`, a search's sealed half: on that half of the quality
+    data only), finish the manifest (with `extra` merged in), render the page, print the verdict (or
+    `headline`, a search's answer, above the run's verdict); the Signoff."""
     from pipeline.stages.signoff import signoff
 
     recipe = ctx.recipe
     results = {n: outcome.read(ctx.run_dir.variant(n)) for n in ["baseline", *(v.name for v in recipe.variants)]}
     spent = outcome.accounting(ctx.run_dir.root, t_epoch)
-    so = signoff(recipe, manifest["recipe_hash"], ctx.run_dir.root, results)
+    so = signoff(recipe, manifest["recipe_hash"], ctx.run_dir.root, results, split)
     write_json(ctx.run_dir.root / "signoff.json", so)
     wall = time.perf_counter() - t_run
     manifest["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

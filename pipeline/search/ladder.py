@@ -28,17 +28,17 @@ import yaml
 
 from pipeline.engines.workers.sensitivity_parts import kept_modules
 from pipeline.measure import membudget
+from pipeline.measure.split import Split
 from pipeline.progress import say
 from pipeline.recipe.schema import Recipe, VariantSpec
 from pipeline.run import runner
 from pipeline.runstore import atomic_write_text, hash_obj, run_lock, write_json
-from pipeline.search import mixed
+from pipeline.search import mixed, sealed
 from pipeline.setup import envs, modelcfg
 from pipeline.stages import sensitivity
 from pipeline.store import keys, outcome, provenance
 from pipeline.store.outcome import Spent
 
-PASSING = ("PASS", "WARN")
 TOP1_MARGIN = 0.01  # the first guess aims this far above a top-1 gate (judged on its CI's lower bound)
 SAFETY = 0.005  # a curve's guess aims this far above the point whose CI's lower bound would clear the gate
 
@@ -87,9 +87,10 @@ def _curve_points(sens: dict) -> list[tuple[int, float]] | None:
 
 
 def _ci_margin(row: dict) -> float:
-    """How far a built candidate's top-1 sits above its CI's lower bound (TOP1_MARGIN without a CI)."""
+    """How far a built candidate's top-1 must sit above the floor to pass a search look: its CI's lower
+    margin, widened to the replication margin (sealed.WIDEN); TOP1_MARGIN without a CI."""
     ci = row.get("top1_ci") or [None]
-    return row["top1_agreement"] - ci[0] if ci[0] is not None else TOP1_MARGIN
+    return (row["top1_agreement"] - ci[0]) * sealed.WIDEN if ci[0] is not None else TOP1_MARGIN
 
 
 def curve_guess(sens: dict, measured: dict[int, dict], top1_floor: float, n: int) -> int | None:
@@ -189,10 +190,11 @@ def row_of(ctx, name: str, verdict, kind: str, fallback: str | None = None, k: i
     # the engine at load, has no checkpoint to count and is left without a figure
     base_weights = any(v.name == name and v.scheme == "none" for v in ctx.recipe.variants)
     gates = {f"{g.metric}[{g.scope}]": {"value": g.measured.value, "ci_low": g.measured.ci_low,
-                                        "ci_high": g.measured.ci_high, "outcome": g.outcome}
+                                        "ci_high": g.measured.ci_high, "outcome": g.outcome, "op": g.op,
+                                        "threshold": g.threshold, "severity": g.severity}
              for g in (verdict.gates if verdict else [])}
     overall = next((p for p in (verdict.paired if verdict else []) if p.slice == "overall"), None)
-    return {
+    row = {
         "name": name, "kind": kind, "fallback": fallback, "k": k, "kept": kept or [],
         "verdict": verdict.verdict if verdict else "FAILED-TO-RUN", "reason": verdict.reason if verdict else o.error,
         "gates": gates, "checkpoint_bytes": qr.checkpoint_bytes if qr else None,
@@ -200,10 +202,13 @@ def row_of(ctx, name: str, verdict, kind: str, fallback: str | None = None, k: i
         "kv_tokens": kv_tokens(s), "kv_projected": bool(s and s.kv and s.kv.plan and s.kv.plan.projected),
         "top1_agreement": d.top1_agreement if d else None, "top1_ci": [d.top1_ci_low, d.top1_ci_high] if d else None,
         "kl_mean": d.kl_mean if d else None,
+        "tpot_p95_ms": s.latency.tpot_ms.p95 if s and s.status == "ok" and s.latency else None,
         "accuracy_delta": overall.delta if overall else None,
         "accuracy_delta_ci": [overall.delta_ci_low, overall.delta_ci_high] if overall else None,
         "built_now": False, "quantize_wall_s": qr.quantize_wall_s if qr else None,
     }
+    row["search_pass"] = sealed.passes_search(row)  # the ladder's look, with the replication margin
+    return row
 
 
 def kv_tokens(s) -> int | None:
@@ -214,12 +219,13 @@ def kv_tokens(s) -> int | None:
     return s.kv.tokens if s.kv.tokens is not None else (s.kv.plan.tokens if s.kv.plan else None)
 
 
-def _judge(ctx, manifest: dict, v: VariantSpec):
+def _judge(ctx, manifest: dict, v: VariantSpec, half: Split):
+    """One variant's sign-off on one half of the quality data (search or sealed)."""
     from pipeline.stages.signoff import signoff
 
     one = ctx.recipe.model_copy(update={"variants": (v,)})
     results = {n: outcome.read(ctx.run_dir.variant(n)) for n in ("baseline", v.name)}
-    return signoff(one, manifest["recipe_hash"], ctx.run_dir.root, results).variants[0]
+    return signoff(one, manifest["recipe_hash"], ctx.run_dir.root, results, half).variants[0]
 
 
 def ladder_length(ranked: list[dict], modules: list[str], fallback: str) -> int:
@@ -248,17 +254,19 @@ def _candidate(ctx, manifest: dict, ranked: list[dict], modules: list[str], fall
     ckpt = envs.home() / "checkpoints" / keys.quantize_key(ctx.recipe, v, ctx.model_id)[:24]
     built_before = (ckpt / "qe-checkpoint.json").exists()
     runner.run_stage(ctx, name)
-    verdict = _judge(ctx, manifest, v)
+    verdict = _judge(ctx, manifest, v, Split("search", sp.split_seed))
     row = row_of(ctx, name, verdict, "candidate", fallback, k, [r["part"] for r in ranked[:k]])
     row["built_now"] = not built_before and (ckpt / "qe-checkpoint.json").exists()
-    say(name, f"search: {row['verdict']}" + (f" ({row['reason']})" if row["reason"] else "")
+    short = row["verdict"] in sealed.PASSING and not row["search_pass"]
+    say(name, f"search: {row['verdict']} on search data" + (", short of the replication margin" if short else "")
+        + (f" ({row['reason']})" if row["reason"] else "")
         + (f"; weights {row['native_weight_bytes'] / 2**20:.1f} MiB native" if row["native_weight_bytes"] else ""))
     return row
 
 
 def choose(rows: list[dict], objective: str) -> dict | None:
     """The answer: among candidates and references whose gates pass, the least memory (or most KV tokens)."""
-    ok = [r for r in rows if r["verdict"] in PASSING and r["native_weight_bytes"] is not None]
+    ok = [r for r in rows if sealed.passes_search(r) and r["native_weight_bytes"] is not None]
     if objective == "capacity":
         ok = [r for r in ok if r["kv_tokens"] is not None]
         return max(ok, key=lambda r: (r["kv_tokens"], -r["native_weight_bytes"]), default=None)
@@ -275,7 +283,7 @@ def ladder(sp, ranked: list[dict], top1_floor: float | None, build, length=None,
     uniform = None
     for fallback in sp.fallbacks:
         n = length(fallback) if length else len(ranked)
-        tried: dict[int, bool] = {} if uniform is None else {0: uniform["verdict"] in PASSING}
+        tried: dict[int, bool] = {} if uniform is None else {0: sealed.passes_search(uniform)}
         measured: dict[int, dict] = {} if uniform is None else {0: uniform}
         while len(rows) < sp.max_builds:
             guess = first_guess(ranked[:n], uniform["top1_agreement"] if uniform else None, top1_floor)
@@ -291,7 +299,7 @@ def ladder(sp, ranked: list[dict], top1_floor: float | None, build, length=None,
             rows.append(row)
             if row["verdict"] == "FAILED-TO-RUN":  # says nothing of quality: stop rather than spend the cap
                 return rows
-            tried[k], measured[k] = row["verdict"] in PASSING, row
+            tried[k], measured[k] = sealed.passes_search(row), row
             uniform = row if k == 0 else uniform
         if any(tried.values()) or len(rows) >= sp.max_builds:
             break
@@ -306,9 +314,11 @@ def search(recipe: Recipe, recipe_path: Path, fresh: bool = False) -> int:
 def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
     ctx, manifest, t_run, t_epoch = runner.prepared_start(recipe, recipe_path, fresh)
     runner.plan(ctx, recipe_path)
+    seed = recipe.search.split_seed if recipe.search else 0
+    seal = Split("sealed", seed)  # the run's own sign-off: on the data the search never read
     timings = runner.run_local(ctx)  # the baseline and the reference variants
     if outcome.read(ctx.run_dir.variant("baseline")).error:
-        runner.conclude(ctx, manifest, timings, t_run, t_epoch)
+        runner.conclude(ctx, manifest, timings, t_run, t_epoch, split=seal)
         return 1
     try:
         sens, ranked, rows = _measure_and_climb(ctx, manifest, recipe, timings)
@@ -316,23 +326,46 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
         traceback.print_exc()
         error = f"{type(exc).__name__}: {exc}"[:300]
         write_json(ctx.run_dir.root / "search" / "search.json", {"error": error, "answer": None})
-        runner.conclude(ctx, manifest, timings, t_run, t_epoch, extra={"search": {"error": error}},
+        runner.conclude(ctx, manifest, timings, t_run, t_epoch, extra={"search": {"error": error}}, split=seal,
                         headline=f"SEARCH: NO ANSWER (the search failed: {error}); the measured variants' verdicts follow")
         return 1
     manifest["recipe"] = ctx.recipe.model_dump(mode="json")  # the candidates are the run's variants now
     try:
-        refs = [row_of(ctx, v.name, _judge(ctx, manifest, v), "reference") for v in recipe.variants]
-        answer = choose(rows + refs, recipe.search.objective)
+        look = Split("search", seed)
+        refs = [row_of(ctx, v.name, _judge(ctx, manifest, v, look), "reference") for v in recipe.variants]
+        picked = choose(rows + refs, recipe.search.objective)  # what the search data alone would answer
+        specs = {v.name: v for v in ctx.recipe.variants}
+        for r in rows + refs:  # every built point, on the data no step above read
+            r["sealed"] = sealed.sealed_fields(_judge(ctx, manifest, specs[r["name"]], seal))
+            r["gap"] = sealed.gap(r)
+        answer, order, stopped = sealed.confirm(rows + refs, recipe.search.objective)
+        front = sealed.frontier(rows + refs)
         summary = _answer(ctx, recipe, recipe_path, ranked, sens, rows, refs, answer)
-        headline = (f"SEARCH: FOUND {answer['name']} ({answer['verdict']}), "
-                    f"{answer['native_weight_bytes'] / 2**20:.1f} MiB of weights as loaded natively"
-                    if answer else f"SEARCH: NONE PASSED in {len(rows)} candidate(s)")
+        summary.update(search_answer=picked["name"] if picked else None, confirmation_rule=sealed.RULE,
+                       margin_rule=sealed.MARGIN_RULE,
+                       confirmation_order=order, stopped_at=stopped, frontier=front, split_seed=seed,
+                       winners_curse=picked["gap"] if picked else None)
+        write_json(ctx.run_dir.root / "search" / "search.json",
+                   {**summary, "rows": rows, "references": refs, "sensitivity": sens["rows"]})
+        headline = _headline(answer, picked, stopped, len(rows))
     except Exception as exc:  # noqa: BLE001 - every candidate is measured and stored: still sign them off
         answer, summary = None, {"error": f"{type(exc).__name__}: {exc}"[:300]}
         write_json(ctx.run_dir.root / "search" / "search.json", {**summary, "answer": None})  # the page's banner
         headline = f"SEARCH: NO ANSWER (the summary failed: {summary['error']}); each candidate's verdict follows"
-    runner.conclude(ctx, manifest, timings, t_run, t_epoch, extra={"search": summary}, headline=headline)
+    runner.conclude(ctx, manifest, timings, t_run, t_epoch, extra={"search": summary}, headline=headline, split=seal)
     return 0 if answer else 1
+
+
+def _headline(answer: dict | None, picked: dict | None, stopped: str | None, built: int) -> str:
+    if answer:
+        return (f"SEARCH: FOUND {answer['name']} (sealed {answer['sealed']['verdict']}), "
+                f"{answer['native_weight_bytes'] / 2**20:.1f} MiB of weights as loaded natively"
+                + (f"; the search data's pick {picked['name']} did not hold on sealed data"
+                   if picked and picked["name"] != answer["name"] else ""))
+    if picked:
+        return (f"SEARCH: NOT CONFIRMED: {stopped} passed on search data and not on sealed data "
+                f"(the first of the confirmation sequence); nothing is signed off")
+    return f"SEARCH: NONE PASSED in {built} candidate(s)"
 
 
 def _measure_and_climb(ctx, manifest: dict, recipe: Recipe, timings: dict) -> tuple[dict, list[dict], list[dict]]:
@@ -355,7 +388,7 @@ def _measure_and_climb(ctx, manifest: dict, recipe: Recipe, timings: dict) -> tu
 
 
 def _answer(ctx, recipe: Recipe, recipe_path: Path, ranked, sens, rows, refs, answer) -> dict:
-    """search.json, and the recipe that reproduces the answer as an ordinary variant."""
+    """The summary for search.json, and the recipe that reproduces the answer as an ordinary variant."""
     out = ctx.run_dir.root / "search"
     reproduce = None
     if answer and answer["kind"] == "candidate":
@@ -380,11 +413,12 @@ def _answer(ctx, recipe: Recipe, recipe_path: Path, ranked, sens, rows, refs, an
         "sensitivity_curve": sens.get("curve"),
         "ranking": [r["part"] for r in ranked],
     }
-    write_json(out / "search.json", {**summary, "rows": rows, "references": refs, "sensitivity": sens["rows"]})
     if answer:
-        say("search", f"answer: {answer['name']}: {answer['native_weight_bytes'] / 2**20:.1f} MiB weights "
-                      f"(native), kept {mixed.describe_parts(answer['kept'])}; {len(rows)} candidate(s), "
+        say("search", f"answer, confirmed on sealed data: {answer['name']}: "
+                      f"{answer['native_weight_bytes'] / 2**20:.1f} MiB weights (native), kept "
+                      f"{mixed.describe_parts(answer['kept'])}; {len(rows)} candidate(s), "
                       f"{summary['built_now']} built now" + (f"; reproduce: {reproduce}" if reproduce else ""))
     else:
-        say("search", f"no candidate passed the gates in {len(rows)} candidate(s) (max_builds {sp.max_builds})")
+        say("search", f"no candidate was confirmed on sealed data ({len(rows)} candidate(s), max_builds "
+                      f"{sp.max_builds})")
     return summary

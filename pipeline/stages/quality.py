@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import time
+from collections import Counter
 from pathlib import Path
 
 from pipeline import suites, suitetable
@@ -358,17 +359,47 @@ def suite_quality(suite, rows: list[dict], metric: str, samples_file: str, sha: 
                         categories=cats, slices=slices, samples_file=samples_file, samples_sha256=sha)
 
 
+def drift_windows(tok, spec) -> list[dict]:
+    """The drift suite's windows: `spec.windows` from the last essays (a few from each, drift.spread_spans),
+    then `spec.code_windows` of HumanEval's code (a second text domain); each {"ids", "domain", "doc"}, doc
+    being the document most of its tokens come from (the search signs off on documents it never read), or the
+    window itself where the tokenizer gives no offsets."""
+    out = []
+    for domain, count in (("essays", spec.windows), ("code", spec.code_windows)):
+        if not count:
+            continue
+        ids, docs = suites.corpus(tok, domain)
+        try:  # code: problems shorter than a window, all sealed in a search: consecutive windows
+            spans = (drift.spread_spans(docs, len(ids), count, spec.window_tokens) if domain == "essays"
+                     else drift.window_spans(len(ids), count, spec.window_tokens))
+        except ValueError as exc:
+            raise ValueError(f"quality.drift: {exc}" + (" (code_windows, HumanEval)" if domain == "code" else "")
+                             ) from None
+        bos = suites.bos_prefix(tok)
+        for a, b in spans:
+            doc = Counter(docs[a:b]).most_common(1)[0][0] if docs else f"{domain}/window-{len(out)}"
+            out.append({"ids": ids[a:b] if bos is None else [bos] + ids[a + 1:b], "domain": domain, "doc": doc})
+    return out
+
+
 def run_drift(server: Engine, tok, spec, vdir: Path, label: str = "") -> DriftQuality:
-    windows = drift.windows_from_ids(suites.essay_ids(tok), spec.windows, spec.window_tokens, suites.bos_prefix(tok))
+    windows = drift_windows(tok, spec)
     with Progress("drift", len(windows), "windows", label) as bar:
-        rows = drift.score_windows(server.port, server.served_name, windows, spec.top_k, on_done=bar.advance)
+        rows = drift.score_windows(server.port, server.served_name, [w["ids"] for w in windows], spec.top_k,
+                                   on_done=bar.advance)
+    for r, w in zip(rows, windows, strict=True):
+        r.update(domain=w["domain"], doc=w["doc"])
     path = vdir / "samples" / "drift.jsonl"
     text = "".join(json.dumps(r) + "\n" for r in rows)
     atomic_write_text(path, text)
-    ppl, tokens = drift.perplexity(rows)
-    return DriftQuality(windows=len(rows), tokens=tokens, window_tokens=spec.window_tokens, top_k=spec.top_k,
+    prose = [r for r in rows if r["domain"] == "essays"]
+    ppl, tokens = drift.perplexity(prose)
+    code = f"; {spec.code_windows} x {spec.window_tokens} tokens of {assets.HUMANEVAL.name}=={assets.HUMANEVAL.version} " \
+           "code scored apart" if spec.code_windows else ""
+    return DriftQuality(windows=len(prose), tokens=tokens, window_tokens=spec.window_tokens, top_k=spec.top_k,
                         perplexity=ppl, corpus=f"{assets.NEEDLE.name}=={assets.NEEDLE.version} essays, last "
-                        f"{len(rows)} x {spec.window_tokens} tokens", samples_file=str(path.relative_to(vdir)),
+                        f"{len(prose)} x {spec.window_tokens} tokens{code}", code_windows=len(rows) - len(prose),
+                        samples_file=str(path.relative_to(vdir)),
                         samples_sha256=hashlib.sha256(text.encode()).hexdigest())
 
 

@@ -36,14 +36,18 @@ CURVE = [0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.8]
 
 
 def windows(recipe, model_dir: Path) -> list[list[int]]:
-    """Sensitivity windows: drift-corpus text before the drift suite's own windows (which are cut from
-    the end of the corpus)."""
+    """Sensitivity windows: drift-corpus text before the first essay the drift suite's own windows come from
+    (they are cut from the last essays): no document is both ranked on and judged on."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = suites.essay_ids(tok)
+    ids, docs = suites.corpus(tok, "essays")
     d, s = recipe.quality.drift, recipe.search.sensitivity
-    held_out = ids[:max(0, len(ids) - d.windows * d.window_tokens)]
+    try:
+        spans = drift.spread_spans(docs, len(ids), d.windows, d.window_tokens)
+    except ValueError as exc:
+        raise ValueError(f"quality.drift: {exc}") from None
+    held_out = ids[:drift.held_out_end(docs, spans, len(ids))]
     try:
         return drift.windows_from_ids(held_out, s.windows, s.window_tokens, suites.bos_prefix(tok))
     except ValueError as exc:

@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 
 from pipeline.measure import drift, metrics, stats
+from pipeline.measure import split as split_rows
+from pipeline.measure.split import Split
 from pipeline.results import (
     GateOutcome,
     Measured,
@@ -40,10 +42,11 @@ def load_rows(vdir: Path, quality: QualityResult, suite: str) -> dict[int, dict]
 
 
 def paired_slices(base_dir: Path, base_q: QualityResult, var_dir: Path, var_q: QualityResult,
-                  samples: int, seed: int) -> list[PairedSlice]:
+                  samples: int, seed: int, split: Split | None = None) -> list[PairedSlice]:
     """Per suite, per slice of each suite ('suite/dimension=value': category, context length, depth,
     prompt-length bucket...), and 'overall' (all suites' items pooled, a safety suite's refusals apart). McNemar p-values are
-    Holm-adjusted across every suite and slice of the variant (the family it is judged on)."""
+    Holm-adjusted across every suite and slice of the variant (the family it is judged on). With a split, only
+    its side's items (a suite with none there is left out, so a gate on it has no data)."""
     pooled_b, pooled_v, near = [], [], []
     out = []
     for suite in base_q.suites:
@@ -51,6 +54,10 @@ def paired_slices(base_dir: Path, base_q: QualityResult, var_dir: Path, var_q: Q
             continue
         b, v = load_rows(base_dir, base_q, suite), load_rows(var_dir, var_q, suite)
         ids = sorted(set(b) & set(v))
+        if split is not None:
+            ids = split.items(suite, ids)
+            if not ids:
+                continue
         bs, vs = [b[i]["correct"] for i in ids], [v[i]["correct"] for i in ids]
         if base_q.suites[suite].pooled:
             pooled_b += bs
@@ -77,13 +84,30 @@ def paired_slices(base_dir: Path, base_q: QualityResult, var_dir: Path, var_q: Q
 
 
 def paired_drift(base_dir: Path, base_q: QualityResult, var_dir: Path, var_q: QualityResult,
-                 samples: int, seed: int) -> PairedDrift | None:
+                 samples: int, seed: int, split: Split | None = None) -> tuple[PairedDrift | None, PairedDrift | None]:
+    """(prose, code): drift on the essays' windows and on the second domain's, each None where it has no
+    windows. With a split, its side's essays only, and code on the sealed side only (the search reads none)."""
     if base_q.drift is None or var_q.drift is None:
-        return None
+        return None, None
     b = _read_checked(base_dir, base_q.drift.samples_file, base_q.drift.samples_sha256)
     v = _read_checked(var_dir, var_q.drift.samples_file, var_q.drift.samples_sha256)
-    s = drift.summarize(drift.compare(b, v), samples, seed)
-    return PairedDrift(top_k=min(base_q.drift.top_k, var_q.drift.top_k), **s)
+    if len(b) != len(v):
+        raise ValueError(f"drift: baseline has {len(b)} windows, the variant {len(v)}")
+    if split is None:
+        sides = (split_rows.prose(b), split_rows.code(b))
+    else:
+        sides = (split.prose(b), split.code(b))
+    top_k = min(base_q.drift.top_k, var_q.drift.top_k)
+    out = []
+    for rows in sides:
+        picked = {r["window"] for r in rows}
+        if not picked:
+            out.append(None)
+            continue
+        vb = [r for r in b if r["window"] in picked]
+        vv = [r for r in v if r["window"] in picked]
+        out.append(PairedDrift(top_k=top_k, **drift.summarize(drift.compare(vb, vv), samples, seed)))
+    return out[0], out[1]
 
 
 def _paired(name: str, b: list[int], v: list[int], samples: int, seed: int, near: bool,
@@ -208,8 +232,21 @@ def verdict_of(gates: list[GateOutcome]) -> str:
     return "WARN" if outcomes & {"WARN", "N/A", "INCONCLUSIVE"} or not gates else "PASS"
 
 
-def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: VariantOutcome) -> VariantSignoff:
-    """One variant's verdict from its outcome and the baseline's."""
+def second_domain_gates(recipe, inp: metrics.Inputs) -> list[GateOutcome]:
+    """The recipe's drift gates judged again on the second text domain's windows (scope 'code'): a variant
+    that holds on prose and not on code does not pass."""
+    out = []
+    for g in recipe.gates:
+        if metrics.METRICS[g.metric].needs == "drift":
+            o = _one_gate(g, "overall", inp)
+            o.scope = "code"
+            out.append(o)
+    return out
+
+
+def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: VariantOutcome,
+                    split: Split | None = None) -> VariantSignoff:
+    """One variant's verdict from its outcome and the baseline's; with a split, on its side of the data."""
     if r.skipped:
         return VariantSignoff(variant=name, verdict="SKIPPED", reason=r.skipped)
     if r.error or base.error or r.quality is None or r.systems is None:
@@ -218,13 +255,16 @@ def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: 
     q, s = r.quality, r.systems
     try:
         paired = paired_slices(run_root / "baseline", base.quality, run_root / name, q,
-                               recipe.quality.bootstrap_samples, recipe.quality.seed)
-        pd = paired_drift(run_root / "baseline", base.quality, run_root / name, q,
-                          recipe.quality.bootstrap_samples, recipe.quality.seed)
+                               recipe.quality.bootstrap_samples, recipe.quality.seed, split)
+        pd, code = paired_drift(run_root / "baseline", base.quality, run_root / name, q,
+                                recipe.quality.bootstrap_samples, recipe.quality.seed, split)
     except (OSError, ValueError, KeyError) as exc:
         return VariantSignoff(variant=name, verdict="FAILED-TO-RUN", reason=f"sign-off: {type(exc).__name__}: {exc}")
     gates = coverage_gaps(base.quality, q) + judge_gates(
         recipe, metrics.Inputs(quality=q, systems=s, base_systems=base.systems, paired=paired, drift=pd))
+    if code is not None:
+        gates += second_domain_gates(recipe, metrics.Inputs(quality=q, systems=s, base_systems=base.systems,
+                                                            paired=paired, drift=code))
     verdict = verdict_of(gates)
     where = (r.support or {}).get("native_on") or "hardware where this engine runs the scheme natively"
     failing = [f"{x.metric}[{x.scope}] {x.outcome}" + (f" ({x.note})" if x.outcome == "INCONCLUSIVE" else "")
@@ -232,18 +272,21 @@ def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: 
     reason = "; ".join(failing + (["no gates declared"] if not gates else [])
                        + ([f"systems not measured: {s.error}"] if s.status == "skipped" else [])
                        + ([f"measurable on {where}"] if verdict == "UNVERIFIED" else []))
-    return VariantSignoff(variant=name, verdict=verdict, reason=reason, gates=gates, paired=paired, drift=pd)
+    return VariantSignoff(variant=name, verdict=verdict, reason=reason, gates=gates, paired=paired, drift=pd,
+                          drift_code=code, data=split.describe() if split else "all")
 
 
-def signoff(recipe, recipe_hash: str, run_root: Path, results: dict) -> Signoff:
+def signoff(recipe, recipe_hash: str, run_root: Path, results: dict, split: Split | None = None) -> Signoff:
     """results[variant]: its VariantOutcome (pipeline/store/outcome.py; a dict of the same fields is accepted).
-    Never raises: an error signing one variant off is that variant's FAIL, with the reason."""
+    Never raises: an error signing one variant off is that variant's FAIL, with the reason. With a split
+    (a search), every variant is judged on that side of the quality data only."""
     results = {n: VariantOutcome.coerce(r) for n, r in results.items()}
     base = results.get("baseline") or VariantOutcome(error="no baseline outcome")
     verdicts = []
     for v in recipe.variants:
         try:
-            verdicts.append(variant_signoff(recipe, run_root, v.name, results.get(v.name, VariantOutcome()), base))
+            verdicts.append(variant_signoff(recipe, run_root, v.name, results.get(v.name, VariantOutcome()), base,
+                                            split))
         except Exception as exc:  # noqa: BLE001 - the verdict must be written whatever went wrong
             verdicts.append(VariantSignoff(variant=v.name, verdict="FAIL",
                                            reason=f"sign-off error: {type(exc).__name__}: {exc}"[:500]))

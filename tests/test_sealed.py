@@ -1,0 +1,178 @@
+"""The search's halves (pipeline/measure/split.py), its sealed confirmation rule and frontier
+(pipeline/search/sealed.py), and a simulation of the rule against choosing and judging on the same data."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pipeline.measure.split import Split
+from pipeline.search import sealed
+from pipeline.search.ladder import choose
+from pipeline.stages import signoff
+from tests import minirun
+
+
+def drift_rows(docs: list[str], code: int = 0) -> list[dict]:
+    rows = [{"window": i, "domain": "essays", "doc": d} for i, d in enumerate(docs)]
+    return rows + [{"window": len(docs) + j, "domain": "code", "doc": f"code/HumanEval/{j}"} for j in range(code)]
+
+
+def test_item_halves_are_disjoint_cover_everything_and_depend_only_on_the_seed():
+    ids = list(range(101))
+    a, b = Split("search", 3).items("piqa", ids), Split("sealed", 3).items("piqa", ids)
+    assert not set(a) & set(b) and sorted(a + b) == ids and (len(a), len(b)) == (50, 51)
+    assert Split("search", 3).items("piqa", ids[::-1]) == a  # the order the ids came in does not matter
+    assert Split("search", 4).items("piqa", ids) != a  # another seed, another half
+    assert Split("search", 3).items("siqa", ids) != a  # each suite cut on its own
+    assert Split("search", 0).items("piqa", [7]) == [] and Split("sealed", 0).items("piqa", [7]) == [7]
+
+
+def test_prose_is_split_by_whole_essays_balanced_and_code_is_sealed_only():
+    docs = ["essays/a"] * 5 + ["essays/b"] * 4 + ["essays/c"] * 6 + ["essays/d"] * 5 + ["essays/e"] * 4
+    rows = drift_rows(docs, code=6)
+    look, seal = Split("search", 1), Split("sealed", 1)
+    a, b = look.prose(rows), seal.prose(rows)
+    assert {r["doc"] for r in a}.isdisjoint({r["doc"] for r in b})  # other documents, not other windows
+    assert len(a) + len(b) == 24 and abs(len(a) - len(b)) <= 6  # the largest essay bounds the imbalance
+    assert look.code(rows) == [] and [r["domain"] for r in seal.code(rows)] == ["code"] * 6
+    seeds = {frozenset(Split("sealed", s).essays(rows)) for s in range(10)}
+    assert len(seeds) > 2  # the seed moves the split
+
+
+def test_signoff_on_a_half_judges_only_its_items(tmp_path):
+    r = minirun.recipe(gates=[{"metric": "accuracy_delta", "op": ">=", "threshold": -0.05}])
+    root = minirun.make_run(tmp_path / "run", r, {"piqa": [1] * 100}, {"piqa": [1] * 50 + [0] * 50})
+    results = {n: json.loads((root / n / "quality.json").read_text()) for n in ("baseline", "v4")}
+    from pipeline.results import QualityResult
+    b, v = (QualityResult.model_validate(results[n]) for n in ("baseline", "v4"))
+    n = {}
+    for side in ("search", "sealed"):
+        sl = signoff.paired_slices(root / "baseline", b, root / "v4", v, 200, 0, Split(side, 0))
+        n[side] = next(x for x in sl if x.slice == "piqa").n
+    full = next(x for x in signoff.paired_slices(root / "baseline", b, root / "v4", v, 200, 0) if x.slice == "piqa")
+    assert n == {"search": 50, "sealed": 50} and full.n == 100
+
+
+def row(name: str, weights: int, search: str, sealed_verdict: str, **kw) -> dict:
+    return {"name": name, "kind": "candidate", "verdict": search, "native_weight_bytes": weights,
+            "kv_tokens": kw.pop("kv", None), "sealed": {"verdict": sealed_verdict, **kw.pop("sealed", {})}, **kw}
+
+
+def test_confirmation_goes_from_the_most_costly_and_stops_at_the_first_sealed_failure():
+    rows = [row("k0", 100, "FAIL", "FAIL"), row("k2", 110, "PASS", "PASS"), row("k4", 120, "PASS", "PASS"),
+            row("k1", 105, "PASS", "FAIL"), row("ref", 200, "PASS", "PASS")]
+    answer, order, stopped = sealed.confirm(rows, "memory")
+    assert order == ["ref", "k4", "k2", "k1"] and answer["name"] == "k2" and stopped == "k1"
+    assert [r["name"] for r in rows if r["confirmed"]] == ["k2", "k4", "ref"]
+    # a cheaper candidate past the stop that passes sealed is not confirmed: the sequence ended
+    rows = [row("k1", 105, "PASS", "PASS"), row("k2", 110, "PASS", "FAIL"), row("ref", 200, "PASS", "PASS")]
+    answer, _, stopped = sealed.confirm(rows, "memory")
+    assert answer["name"] == "ref" and stopped == "k2"
+    # nothing confirmed when the most costly already fails on sealed data
+    answer, _, stopped = sealed.confirm([row("k1", 105, "PASS", "INCONCLUSIVE")], "memory")
+    assert answer is None and stopped == "k1"
+    # capacity: most KV tokens is the cheapest
+    rows = [row("a", 100, "PASS", "PASS", kv=9000), row("b", 120, "PASS", "PASS", kv=5000)]
+    assert sealed.confirm(rows, "capacity")[0]["name"] == "a"
+
+
+def test_frontier_marks_what_nothing_beats_on_the_axes_measured_for_all():
+    rows = [row("a", 100, "PASS", "PASS", tpot_p95_ms=None, sealed={"top1_agreement": 0.80}),
+            row("b", 120, "PASS", "PASS", tpot_p95_ms=None, sealed={"top1_agreement": 0.90}),
+            row("c", 130, "PASS", "PASS", tpot_p95_ms=None, sealed={"top1_agreement": 0.85}),
+            row("d", 100, "PASS", "PASS", tpot_p95_ms=None, sealed={"top1_agreement": 0.80})]
+    f = sealed.frontier(rows)
+    assert [r["name"] for r in rows if r["pareto"]] == ["a", "b", "d"]  # c: b has less weight and more top-1
+    assert f["axes"] == ["weights as loaded natively", "sealed top-1 agreement"]
+    assert "p95 TPOT" in f["not_measured_for_every_point"]
+
+
+def test_gap_is_search_minus_sealed():
+    r = row("a", 1, "PASS", "PASS", top1_agreement=0.86, accuracy_delta=None,
+            sealed={"top1_agreement": 0.84, "accuracy_delta": -0.01})
+    assert sealed.gap(r) == pytest.approx({"top1_agreement": 0.02})
+
+
+# --- the rule, simulated -----------------------------------------------------------------------------------
+
+FLOOR = 0.85
+# nested candidates, cheapest first, top-1 rising through the floor: the issue's case, several candidates a hair
+# either side of it (k = 54 and 55 a fourth decimal apart)
+THETA = np.linspace(0.80, 0.88, 41)
+
+
+def gate_row(j: int, est: float, se: float) -> dict:
+    """A candidate as the ladder sees it: its top-1 gate judged as judge() does (95% interval)."""
+    lo, hi = est - sealed.Z95 * se, est + sealed.Z95 * se
+    verdict = "PASS" if lo >= FLOOR else "FAIL" if est < FLOOR else "INCONCLUSIVE"
+    return {"name": f"k{j:02d}", "kind": "candidate", "kv_tokens": None, "native_weight_bytes": 100 + j,
+            "verdict": verdict, "gates": {"top1_agreement[overall]": {
+                "value": est, "ci_low": lo, "ci_high": hi, "op": ">=", "threshold": FLOOR, "severity": "fail"}}}
+
+
+def simulate(n_windows: int, sims: int, seed: int = 0) -> dict:
+    """Search and sealed halves of n_windows each; an estimate's SE scales as 1/sqrt(windows) (0.0027 at 24,
+    the figure the issue measured), nested candidates correlated 0.95 within a half (a shared component)."""
+    rng = np.random.default_rng(seed)
+    se = 0.0027 * np.sqrt(24 / n_windows)
+    k, rho = len(THETA), 0.95
+
+    def half() -> np.ndarray:
+        return THETA + se * (np.sqrt(rho) * rng.standard_normal((sims, 1))
+                             + np.sqrt(1 - rho) * rng.standard_normal((sims, k)))
+
+    look, seal = half(), half()
+    out = {"nominal_replicates": 0, "nominal": 0, "replicates": 0, "picked": 0, "false": 0, "answered": 0}
+    for i in range(sims):
+        rows = [gate_row(j, look[i, j], se) for j in range(k)]
+        for j, r in enumerate(rows):
+            r["sealed"] = {"verdict": gate_row(j, seal[i, j], se)["verdict"]}
+        nominal = min((r for r in rows if r["verdict"] == "PASS"), key=lambda r: r["native_weight_bytes"], default=None)
+        if nominal is not None:  # today's look: the gates' own 95% intervals on the search data
+            out["nominal"] += 1
+            out["nominal_replicates"] += nominal["sealed"]["verdict"] == "PASS"
+        picked = choose(rows, "memory")  # the look with the replication margin
+        if picked is not None:
+            out["picked"] += 1
+            out["replicates"] += picked["sealed"]["verdict"] == "PASS"
+        answer, _, _ = sealed.confirm(rows, "memory")
+        if answer is not None:
+            out["answered"] += 1
+            out["false"] += THETA[int(answer["name"][1:])] < FLOOR
+    return {"nominal_replication": out["nominal_replicates"] / max(1, out["nominal"]),
+            "replication": out["replicates"] / max(1, out["picked"]),
+            "false": out["false"] / sims, "answered": out["answered"] / sims}
+
+
+def test_simulated_search_picks_an_answer_that_replicates_where_the_nominal_look_does_not():
+    r = simulate(12, 3000)  # the default search recipe's halves: 12 essay windows each
+    assert r["nominal_replication"] <= 0.7, r  # the issue's finding: a coin flip, near enough
+    assert r["replication"] >= 0.88, r  # the margin: about 9 in 10 picks pass their sealed half
+    assert r["false"] <= 0.035, r  # and a confirmed answer is below the floor at most the gates' level
+
+
+@pytest.mark.parametrize("n", [12, 48, 192])
+def test_simulated_rule_keeps_its_level_and_replication_at_every_size(n):
+    r = simulate(n, 2000, seed=n)
+    assert r["false"] <= 0.035 and r["replication"] >= 0.88, r
+
+
+def test_simulated_rule_decides_more_as_data_grows():
+    answered = [simulate(n, 1500, seed=1)["answered"] for n in (6, 12, 48, 192)]
+    assert answered == sorted(answered) and answered[-1] >= 0.95, answered
+
+
+def test_drift_windows_spread_over_documents_and_the_held_out_text_shares_none():
+    from pipeline.measure import drift
+
+    docs = ["a"] * 1000 + ["b"] * 300 + ["c"] * 2000
+    spans = drift.spread_spans(docs, len(docs), 5, 256, per_doc=4)
+    assert spans == [(1044, 1300), (2276, 2532), (2532, 2788), (2788, 3044), (3044, 3300)]  # 4 from c, 1 from b
+    assert all(len({docs[i] for i in range(a, b)}) == 1 for a, b in spans)  # each within one document
+    assert drift.held_out_end(docs, spans, len(docs)) == 1000  # the text before b: no window's document
+    with pytest.raises(ValueError, match="room for 8 windows"):
+        drift.spread_spans(docs, len(docs), 9, 256, per_doc=4)  # a: 3, b: 1, c: 4
+    assert drift.spread_spans(None, 3300, 2, 256) == [(2788, 3044), (3044, 3300)]  # no documents: consecutive
