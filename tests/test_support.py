@@ -318,3 +318,22 @@ def test_the_probe_runs_once_beside_the_baseline_and_is_done_before_its_systems(
     assert ctx.probe.is_alive() and time.monotonic() - t0 < 0.2  # started in the background
     ctx.wait_probe()  # what the baseline's evaluation calls before its systems stage
     assert not ctx.probe.is_alive() and ctx.engine.done >= t0 + 0.3
+
+
+def test_a_custom_checkpoint_served_with_an_fp8_kv_cache_is_decided_on_that_cache(tmp_path):
+    """kv_cache: fp8 on a `scheme: custom` (or imported) checkpoint is an engine option its files do not carry:
+    the decision must still see it, or an engine that refuses FP8 KV is started only to fail (a search's KV
+    twins on AVX2 did)."""
+    from pipeline.recipe.schema import VariantSpec
+    from pipeline.run.runner import checkpoint_format_of
+
+    (tmp_path / "config.json").write_text(json.dumps({**SMOLLM2, "quantization_config": {
+        "quant_method": "compressed-tensors", "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": {"type": "int", "num_bits": 4, "group_size": 64}}}}}))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("quant_stage: {}\n")
+    for kv, mode in (("auto", "emulated"), ("fp8", "unsupported")):
+        v = VariantSpec(name="c", scheme="custom", recipe=str(recipe), kv_cache=kv)
+        d = support.decide(checkpoint_format_of(v, tmp_path), SMOLLM2, answers("cpu-avx2"), dtype="float32")
+        assert d.mode == mode, d
+    assert "AVX-512 or AMX" in d.reason

@@ -165,11 +165,17 @@ def variant_format(v, checkpoint: Path | None = None) -> Format | None:
     if scheme.imports_checkpoint:
         if checkpoint is None:
             return None
-        fmt = formats.checkpoint_format(modelcfg.read(checkpoint))
-        return Format(fmt.weights, fmt.kv_fp8 or v.kv_cache != "auto", fmt.detail, fmt.legacy)
+        return checkpoint_format_of(v, checkpoint)
     if scheme.user_recipe:
         return None
     return formats.scheme_format(v.scheme, v.kv_cache)
+
+
+def checkpoint_format_of(v, checkpoint: Path) -> Format:
+    """A checkpoint's format as this variant serves it: an FP8 KV cache its files carry, or one the variant asks
+    the engine for (kv_cache: fp8, an engine option: the files say nothing of it)."""
+    fmt = formats.checkpoint_format(modelcfg.read(checkpoint))
+    return Format(fmt.weights, fmt.kv_fp8 or v.kv_cache != "auto", fmt.detail, fmt.legacy)
 
 
 def _judge(ctx: RunContext, v, vdir: Path, fmt: Format, model_cfg: dict) -> Decision:
@@ -207,7 +213,7 @@ def run_variant(ctx: RunContext, v, vdir: Path, spent: Spent, stop_after: str | 
     if stop_after == "quantize":  # the ray executor runs evaluation as its own task
         return
     if scheme.user_recipe:
-        fmt = formats.checkpoint_format(modelcfg.read(Path(qr.checkpoint_dir)))
+        fmt = checkpoint_format_of(v, Path(qr.checkpoint_dir))
         decision = _judge(ctx, v, vdir, fmt, model_cfg)
         if decision.mode == "unsupported":
             return
