@@ -76,7 +76,8 @@ def search_section(run: Run) -> str:
     for r in s.get("rows", []) + s.get("references", []):
         what = ("reference" if r["kind"] == "reference" else
                 f"k={r['k']}" + (f" at {r['fallback']}: {describe_parts(r['kept'])}"
-                                 if r["k"] else " (uniform)"))
+                                 if r["k"] else " (uniform)")) + (
+            f"; KV cache {r['kv_cache']}" if r.get("kv_cache", "auto") != "auto" else "")
         kv = fmt(r["kv_tokens"]) + (" (projected)" if r["kv_projected"] else "") if r["kv_tokens"] else "–"
         z = r.get("sealed") or {}
         gap = r.get("gap") or {}
@@ -132,7 +133,19 @@ def _halves(s: dict) -> str:
             f"minus sealed: {escape(curse_txt)}. Positive gaps are what choosing on the search data adds; the sealed "
             "column is the figure to sign on."
             + f" <b>Pareto</b>: not beaten on every one of {escape(', '.join(front.get('axes') or ['–']))}"
-            + (f" (left out, not measured for every point: {escape(', '.join(left))})" if left else "") + ".</p>")
+            + (f" (left out, not measured for every point: {escape(', '.join(left))})" if left else "") + "."
+            + _kv_space(s) + "</p>")
+
+
+def _kv_space(s: dict) -> str:
+    """What the KV-cache precisions in the space came to: served, or why the engine here would not."""
+    space = {k: v for k, v in (s.get("kv_space") or {}).items() if k not in ("auto", "note")}
+    parts = [f"{kv}: served with {v['served']} candidate(s)" if v["served"] else
+             f"{kv}: not served here ({v['why'] or 'no candidate passed on the search data to try it with'})"
+             for kv, v in space.items()]
+    note = (s.get("kv_space") or {}).get("note")
+    return (f" <b>KV-cache precision</b> — {escape('; '.join(parts))}" + (f"; {escape(note)}" if note else "") + "."
+            if parts else "")
 
 
 def _ranked_by(s: dict) -> str:

@@ -176,3 +176,46 @@ def test_drift_windows_spread_over_documents_and_the_held_out_text_shares_none()
     with pytest.raises(ValueError, match="room for 8 windows"):
         drift.spread_spans(docs, len(docs), 9, 256, per_doc=4)  # a: 3, b: 1, c: 4
     assert drift.spread_spans(None, 3300, 2, 256) == [(2788, 3044), (3044, 3300)]  # no documents: consecutive
+
+
+# --- what serving buys: KV-cache precision in the space ----------------------------------------------------
+
+def test_capacity_takes_the_fp8_kv_twin_where_memory_cannot_tell_them_apart():
+    auto = row("k3", 118, "PASS", "PASS", kv=9000, kv_cache="auto")
+    twin = row("k3-kvfp8", 118, "PASS", "PASS", kv=18000, kv_cache="fp8")
+    wider = row("k5", 122, "PASS", "PASS", kv=8800, kv_cache="auto")
+    for r in (auto, twin, wider):
+        r["search_pass"] = True
+    assert sealed.confirm([auto, twin, wider], "memory")[0]["name"] == "k3"  # same weights: the plain KV cache
+    assert sealed.confirm([auto, twin, wider], "capacity")[0]["name"] == "k3-kvfp8"  # twice the tokens
+    assert choose([auto, twin, wider], "capacity")["name"] == "k3-kvfp8"
+    assert choose([auto, twin, wider], "memory")["name"] == "k3"
+    # the twin did not hold on its sealed half: capacity falls back along the sequence
+    twin["sealed"]["verdict"] = "FAIL"
+    answer, order, stopped = sealed.confirm([auto, twin, wider], "capacity")
+    assert order == ["k5", "k3", "k3-kvfp8"] and answer["name"] == "k3" and stopped == "k3-kvfp8"
+
+
+def test_a_capacity_search_that_could_not_serve_fp8_says_why():
+    from pipeline.recipe.search_section import SearchSpec
+    from pipeline.search.ladder import kv_space
+
+    why = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+    rows = [row("k3", 118, "PASS", "PASS", kv_cache="auto"),
+            {**row("k3-kvfp8", 118, "SKIPPED", "SKIPPED", kv_cache="fp8"), "reason": why}]
+    space = kv_space(rows, SearchSpec(kv_cache=("auto", "fp8"), objective="capacity"))
+    assert space["fp8"] == {"served": 0, "skipped": 1, "why": why} and "as memory does" in space["note"]
+    assert "note" not in kv_space(rows, SearchSpec(kv_cache=("auto", "fp8"), objective="memory"))
+    with pytest.raises(ValueError, match="kv_cache must include auto"):
+        SearchSpec(kv_cache=("fp8",))
+
+
+def test_an_fp8_kv_cache_served_by_the_engine_shares_its_schemes_checkpoint():
+    from pipeline.recipe.schema import VariantSpec
+    from pipeline.store import keys
+
+    r = minirun.recipe()
+    v = VariantSpec(name="a", scheme="rtn_w4a16")
+    key = {kv: keys.quantize_key(r, v.model_copy(update={"kv_cache": kv}), "m") for kv in
+           ("auto", "fp8", "fp8_calibrated")}
+    assert key["fp8"] == key["auto"] != key["fp8_calibrated"]  # calibrated scales are in the files

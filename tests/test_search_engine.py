@@ -142,6 +142,7 @@ def searched(tmp_path_factory):
     assert (run_dir / "search" / "search.json").exists(), first.stdout[-3000:] + first.stderr[-3000:]
     first_json = json.loads((run_dir / "search" / "search.json").read_text())
     recipe["search"]["max_builds"] = 3  # widen: the two built candidates are reused
+    recipe["search"]["kv_cache"] = ["auto", "fp8"]  # and serve the passing ones with an FP8 KV cache too
     path.write_text(yaml.safe_dump(recipe))
     second = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env, timeout=1800)
     return {"first": first, "first_json": first_json, "second": second, "dir": run_dir,
@@ -168,7 +169,7 @@ def test_the_answer_is_signed_off_on_data_the_search_never_read(searched):
     from pipeline.measure.split import Split
 
     s, run = searched["json"], searched["dir"]
-    for r in s["rows"] + s["references"]:
+    for r in [r for r in s["rows"] if r["kv_cache"] == "auto"] + s["references"]:  # (fp8 twins: SKIPPED here)
         z = r["sealed"]
         assert z["verdict"] in ("PASS", "WARN", "FAIL", "INCONCLUSIVE") and z["top1_agreement"] is not None
         assert z["code_windows"] == 2 and z["code_top1_agreement"] is not None and z["items"] == 2  # 3 asdiv: 1 + 2
@@ -196,10 +197,23 @@ def test_widened_search_finds_the_cheapest_passing_candidate(searched):
     assert s["answer"] == best["name"] and f"SEARCH: FOUND {best['name']}" in p.stdout
     assert best["search_pass"] and best["sealed"]["verdict"] == "PASS"
     # every figure is measured: more parts kept at 8 bits, more bytes; top-1 from the engine's drift
-    by_k = sorted(s["rows"], key=lambda r: r["k"])
+    by_k = sorted((r for r in s["rows"] if r["kv_cache"] == "auto"), key=lambda r: r["k"])
     assert [r["native_weight_bytes"] for r in by_k] == sorted(r["native_weight_bytes"] for r in by_k)
-    assert all(r["top1_agreement"] is not None and r["kv_tokens"] for r in s["rows"])
+    assert all(r["top1_agreement"] is not None and r["kv_tokens"] for r in by_k)
     assert s["ranking"][:best["k"]] == best["kept"]
+
+
+def test_kv_precision_in_the_space_is_served_or_says_why_not(searched):
+    """Each candidate that passed on the search data is served again with an FP8 KV cache, from the same
+    checkpoint; the support answers of the AVX2 kind (every host, in tests) refuse it, and the search says so."""
+    s = searched["json"]
+    twins = [r for r in s["rows"] if r["kv_cache"] == "fp8"]
+    passed = [r for r in s["rows"] if r["kv_cache"] == "auto" and r["search_pass"]]
+    assert [t["name"] for t in twins] == [f"{r['name']}-kvfp8" for r in passed] and twins
+    assert all(t["verdict"] == "SKIPPED" and "AVX-512 or AMX" in t["reason"] and not t["built_now"] for t in twins)
+    assert s["kv_space"]["fp8"]["served"] == 0 and "AVX-512 or AMX" in s["kv_space"]["fp8"]["why"]
+    assert s["candidates"] == 3  # served twins are not builds
+    assert "KV-cache precision" in (searched["dir"] / "report.html").read_text()
 
 
 def test_mixed_checkpoint_loads_and_generates(searched):
@@ -210,7 +224,8 @@ def test_mixed_checkpoint_loads_and_generates(searched):
         cfg = json.loads(Path(q["checkpoint_dir"], "config.json").read_text())["quantization_config"]
         return sorted(g["weights"]["num_bits"] for g in cfg["config_groups"].values())
 
-    mixed = next(r for r in s["rows"] if r["k"] and bits(r) == [4, 8])  # some parts at 8 bits, the rest at 4
+    # some parts at 8 bits, the rest at 4
+    mixed = next(r for r in s["rows"] if r["k"] and r["kv_cache"] == "auto" and bits(r) == [4, 8])
     d = searched["dir"] / mixed["name"]
     q = json.loads((d / "quality.json").read_text())
     assert q["status"] == "ok" and q["suites"]["asdiv"]["n"] == 3 and q["drift"]["tokens"] > 0

@@ -63,6 +63,11 @@ class SearchSpec(Strict):
         "the model's dtype); capacity: the most KV tokens under engine.memory_budget_gib.")
     max_builds: int = Field(6, ge=1, le=64, description="Cap on candidate checkpoints built (the uniform base "
                             "scheme counts as one); the search stops there and reports the best that passed.")
+    kv_cache: tuple[Literal["auto", "fp8"], ...] = Field(
+        ("auto",), min_length=1, description="KV-cache precisions in the space: each candidate that passes on the "
+        "search data is also served with each one (fp8: the engine's kv_cache_dtype=fp8 over the same checkpoint, "
+        "about twice the KV tokens under the budget where the engine runs it natively). Served, not built: they "
+        "do not count against max_builds. objective: capacity can then pick one; memory cannot tell them apart.")
     split_seed: int = Field(0, ge=0, description="Which half of the quality data the search reads (its ladder "
                             "chooses on it) and which half, never read by the search, signs the answer off (sealed): "
                             "each suite's items and the drift corpus's essays cut in two by this seed; code windows "
@@ -89,4 +94,14 @@ class SearchSpec(Strict):
                 raise ValueError(f"unknown fallback {f!r}; one of {', '.join(FALLBACKS)}")
         if len(set(v)) != len(v):
             raise ValueError("a fallback is listed twice")
+        return v
+
+    @field_validator("kv_cache")
+    @classmethod
+    def _kv(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if "auto" not in v:
+            raise ValueError("kv_cache must include auto: the candidates are built and judged on the baseline's KV "
+                             "cache first, and fp8 is tried on those that pass")
+        if len(set(v)) != len(v):
+            raise ValueError("a KV-cache precision is listed twice")
         return v

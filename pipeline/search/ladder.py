@@ -194,8 +194,10 @@ def row_of(ctx, name: str, verdict, kind: str, fallback: str | None = None, k: i
                                         "threshold": g.threshold, "severity": g.severity}
              for g in (verdict.gates if verdict else [])}
     overall = next((p for p in (verdict.paired if verdict else []) if p.slice == "overall"), None)
+    spec = next((v for v in ctx.recipe.variants if v.name == name), None)
     row = {
         "name": name, "kind": kind, "fallback": fallback, "k": k, "kept": kept or [],
+        "kv_cache": spec.kv_cache if spec else "auto",
         "verdict": verdict.verdict if verdict else "FAILED-TO-RUN", "reason": verdict.reason if verdict else o.error,
         "gates": gates, "checkpoint_bytes": qr.checkpoint_bytes if qr else None,
         "native_weight_bytes": _native_weight_bytes(weights_dir, ctx.model_dir) if qr or base_weights else None,
@@ -265,12 +267,10 @@ def _candidate(ctx, manifest: dict, ranked: list[dict], modules: list[str], fall
 
 
 def choose(rows: list[dict], objective: str) -> dict | None:
-    """The answer: among candidates and references whose gates pass, the least memory (or most KV tokens)."""
-    ok = [r for r in rows if sealed.passes_search(r) and r["native_weight_bytes"] is not None]
-    if objective == "capacity":
-        ok = [r for r in ok if r["kv_tokens"] is not None]
-        return max(ok, key=lambda r: (r["kv_tokens"], -r["native_weight_bytes"]), default=None)
-    return min(ok, key=lambda r: (r["native_weight_bytes"], r["name"]), default=None)
+    """What the search data alone would answer: among the candidates and references that pass a search look,
+    the cheapest by the objective (sealed.cost: the least memory, or the most KV tokens)."""
+    ok = [r for r in rows if sealed.passes_search(r) and sealed.cost(r, objective) is not None]
+    return min(ok, key=lambda r: (sealed.cost(r, objective), r["name"]), default=None)
 
 
 def ladder(sp, ranked: list[dict], top1_floor: float | None, build, length=None, sens: dict | None = None
@@ -333,20 +333,23 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
     try:
         look = Split("search", seed)
         refs = [row_of(ctx, v.name, _judge(ctx, manifest, v, look), "reference") for v in recipe.variants]
-        picked = choose(rows + refs, recipe.search.objective)  # what the search data alone would answer
+        twins = kv_twins(ctx, manifest, rows, recipe.search.kv_cache, look)
+        points = rows + twins + refs
+        picked = choose(points, recipe.search.objective)  # what the search data alone would answer
         specs = {v.name: v for v in ctx.recipe.variants}
-        for r in rows + refs:  # every built point, on the data no step above read
+        for r in points:  # every measured point, on the data no step above read
             r["sealed"] = sealed.sealed_fields(_judge(ctx, manifest, specs[r["name"]], seal))
             r["gap"] = sealed.gap(r)
-        answer, order, stopped = sealed.confirm(rows + refs, recipe.search.objective)
-        front = sealed.frontier(rows + refs)
+        answer, order, stopped = sealed.confirm(points, recipe.search.objective)
+        front = sealed.frontier(points)
         summary = _answer(ctx, recipe, recipe_path, ranked, sens, rows, refs, answer)
         summary.update(search_answer=picked["name"] if picked else None, confirmation_rule=sealed.RULE,
                        margin_rule=sealed.MARGIN_RULE,
                        confirmation_order=order, stopped_at=stopped, frontier=front, split_seed=seed,
-                       winners_curse=picked["gap"] if picked else None)
+                       winners_curse=picked["gap"] if picked else None,
+                       kv_space=kv_space(rows + twins, recipe.search))
         write_json(ctx.run_dir.root / "search" / "search.json",
-                   {**summary, "rows": rows, "references": refs, "sensitivity": sens["rows"]})
+                   {**summary, "rows": rows + twins, "references": refs, "sensitivity": sens["rows"]})
         headline = _headline(answer, picked, stopped, len(rows))
     except Exception as exc:  # noqa: BLE001 - every candidate is measured and stored: still sign them off
         answer, summary = None, {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -354,6 +357,42 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
         headline = f"SEARCH: NO ANSWER (the summary failed: {summary['error']}); each candidate's verdict follows"
     runner.conclude(ctx, manifest, timings, t_run, t_epoch, extra={"search": summary}, headline=headline, split=seal)
     return 0 if answer else 1
+
+
+def kv_twins(ctx, manifest: dict, rows: list[dict], kv_cache: tuple[str, ...], look: Split) -> list[dict]:
+    """Each candidate that passed on the search data, served again with each other KV-cache precision: the
+    same checkpoint (no build), its own engine, quality and systems, judged like any candidate."""
+    twins = []
+    for kv in (x for x in kv_cache if x != "auto"):
+        for r in [r for r in rows if r["search_pass"] and r.get("kv_cache", "auto") == "auto"]:
+            base = next(v for v in ctx.recipe.variants if v.name == r["name"])
+            v = base.model_copy(update={"name": f"{r['name']}-kv{kv}", "kv_cache": kv})
+            if v.name not in {x.name for x in ctx.recipe.variants}:
+                ctx.recipe = ctx.recipe.model_copy(update={"variants": (*ctx.recipe.variants, v)})
+            say(v.name, f"search: {r['name']} with a {kv} KV cache (the same checkpoint)")
+            runner.run_stage(ctx, v.name)
+            verdict = _judge(ctx, manifest, v, look)
+            row = row_of(ctx, v.name, verdict, "candidate", r["fallback"], r["k"], r["kept"])
+            say(v.name, f"search: {row['verdict']} on search data" + (f" ({row['reason']})" if row["reason"] else "")
+                + (f"; {row['kv_tokens']:,} KV tokens under the budget" if row["kv_tokens"] else ""))
+            twins.append(row)
+    return twins
+
+
+def kv_space(rows: list[dict], sp) -> dict:
+    """Per KV-cache precision in the space: how many candidates were served with it and, where none could be,
+    why (the engine's own refusal), so a capacity search that could not use it says so."""
+    out = {}
+    for kv in sp.kv_cache:
+        mine = [r for r in rows if r.get("kv_cache", "auto") == kv]
+        skipped = [r for r in mine if r["verdict"] == "SKIPPED"]
+        out[kv] = {"served": len(mine) - len(skipped), "skipped": len(skipped),
+                   "why": skipped[0]["reason"] if skipped and len(skipped) == len(mine) else None}
+    if sp.objective == "capacity" and len(sp.kv_cache) > 1 and not any(
+            out[kv]["served"] for kv in sp.kv_cache if kv != "auto"):
+        out["note"] = ("no candidate ran with another KV-cache precision here, so capacity ranked the candidates "
+                       "by their weights alone, as memory does")
+    return out
 
 
 def _headline(answer: dict | None, picked: dict | None, stopped: str | None, built: int) -> str:

@@ -76,20 +76,22 @@ def gap(row: dict) -> dict:
             if row.get(k) is not None and s.get(k) is not None}
 
 
-def cost(row: dict, objective: str) -> float | None:
-    """What the objective minimises: weights as loaded natively, or (capacity) minus the KV tokens."""
+def cost(row: dict, objective: str) -> tuple | None:
+    """What the objective minimises, in order: memory, the weights as loaded natively (then a KV cache other than
+    the baseline's counts as dearer: it buys memory nothing); capacity, minus the KV tokens under the budget
+    (then the weights)."""
     if row.get("native_weight_bytes") is None:
         return None
     if objective == "capacity":
-        return -row["kv_tokens"] if row.get("kv_tokens") is not None else None
-    return float(row["native_weight_bytes"])
+        return (-row["kv_tokens"], row["native_weight_bytes"]) if row.get("kv_tokens") is not None else None
+    return (row["native_weight_bytes"], int(row.get("kv_cache", "auto") != "auto"))
 
 
 def confirm(rows: list[dict], objective: str) -> tuple[dict | None, list[str], str | None]:
     """(the answer: the cheapest confirmed, or None; the names in the order they were judged on sealed data;
     the one the sequence stopped at, or None). Marks each row's "confirmed"."""
     eligible = [r for r in rows if passes_search(r) and cost(r, objective) is not None]
-    order = sorted(eligible, key=lambda r: (-cost(r, objective), r["name"]))  # most costly first
+    order = sorted(eligible, key=lambda r: (cost(r, objective), r["name"]), reverse=True)  # most costly first
     for r in rows:
         r["confirmed"] = False
     answer, stopped = None, None

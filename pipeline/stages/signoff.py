@@ -247,11 +247,12 @@ def second_domain_gates(recipe, inp: metrics.Inputs) -> list[GateOutcome]:
 def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: VariantOutcome,
                     split: Split | None = None) -> VariantSignoff:
     """One variant's verdict from its outcome and the baseline's; with a split, on its side of the data."""
+    data = split.describe() if split else "all"
     if r.skipped:
-        return VariantSignoff(variant=name, verdict="SKIPPED", reason=r.skipped)
+        return VariantSignoff(variant=name, verdict="SKIPPED", reason=r.skipped, data=data)
     if r.error or base.error or r.quality is None or r.systems is None:
         why = r.error or (f"baseline failed: {base.error}" if base.error else "results missing")
-        return VariantSignoff(variant=name, verdict="FAILED-TO-RUN", reason=why)
+        return VariantSignoff(variant=name, verdict="FAILED-TO-RUN", reason=why, data=data)
     q, s = r.quality, r.systems
     try:
         paired = paired_slices(run_root / "baseline", base.quality, run_root / name, q,
@@ -259,7 +260,8 @@ def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: 
         pd, code = paired_drift(run_root / "baseline", base.quality, run_root / name, q,
                                 recipe.quality.bootstrap_samples, recipe.quality.seed, split)
     except (OSError, ValueError, KeyError) as exc:
-        return VariantSignoff(variant=name, verdict="FAILED-TO-RUN", reason=f"sign-off: {type(exc).__name__}: {exc}")
+        return VariantSignoff(variant=name, verdict="FAILED-TO-RUN", reason=f"sign-off: {type(exc).__name__}: {exc}",
+                              data=data)
     gates = coverage_gaps(base.quality, q) + judge_gates(
         recipe, metrics.Inputs(quality=q, systems=s, base_systems=base.systems, paired=paired, drift=pd))
     if code is not None:
@@ -273,7 +275,7 @@ def variant_signoff(recipe, run_root: Path, name: str, r: VariantOutcome, base: 
                        + ([f"systems not measured: {s.error}"] if s.status == "skipped" else [])
                        + ([f"measurable on {where}"] if verdict == "UNVERIFIED" else []))
     return VariantSignoff(variant=name, verdict=verdict, reason=reason, gates=gates, paired=paired, drift=pd,
-                          drift_code=code, data=split.describe() if split else "all")
+                          drift_code=code, data=data)
 
 
 def signoff(recipe, recipe_hash: str, run_root: Path, results: dict, split: Split | None = None) -> Signoff:
@@ -288,7 +290,7 @@ def signoff(recipe, recipe_hash: str, run_root: Path, results: dict, split: Spli
             verdicts.append(variant_signoff(recipe, run_root, v.name, results.get(v.name, VariantOutcome()), base,
                                             split))
         except Exception as exc:  # noqa: BLE001 - the verdict must be written whatever went wrong
-            verdicts.append(VariantSignoff(variant=v.name, verdict="FAIL",
+            verdicts.append(VariantSignoff(variant=v.name, verdict="FAIL", data=split.describe() if split else "all",
                                            reason=f"sign-off error: {type(exc).__name__}: {exc}"[:500]))
     passing = [x.variant for x in verdicts if x.verdict in ("PASS", "WARN")]
     bad = any(x.verdict in ("FAIL", "FAILED-TO-RUN") for x in verdicts) or not verdicts or bool(base.error)

@@ -90,7 +90,8 @@ def quantize_key(recipe, v, model_hash: str) -> str:
     """Everything that changes a checkpoint; the cache folder is named by it."""
     return hash_obj({
         "version": QUANTIZE_KEY_VERSION, "model": model_hash, "scheme": v.scheme, "group_size": v.group_size,
-        "ignore": v.ignore, "kv_cache": v.kv_cache,
+        # kv_cache fp8 is an engine option over the same checkpoint; only calibrated scales change the files
+        "ignore": v.ignore, "kv_cache": v.kv_cache if v.kv_cache == "fp8_calibrated" else "auto",
         "smoothing_strength": v.smoothing_strength if v.scheme == "w8a8_int8" else None,
         "recipe_file": sha256_file(Path(v.recipe)) if v.recipe else None,
         "calibration": recipe.calibration.model_dump(exclude={"timeout_s"}),
