@@ -386,6 +386,8 @@ class GateOutcome(Model):
 class PairedDrift(Model):
     tokens: int
     windows: int
+    documents: int | None = Field(None, description="Essays (or code files) the windows come from: the units "
+                                  "the intervals resample.")
     top_k: int
     kl_mean: float = Field(description="Mean KL(baseline || variant) per token, nats; a lower bound (top-k partition).")
     kl_ci_low: float

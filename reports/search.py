@@ -9,6 +9,7 @@ from __future__ import annotations
 from html import escape
 
 from pipeline.search.mixed import describe_parts
+from pipeline.search.sealed import unconfirmed
 from reports.charts import _axes, _figure
 from reports.html import fmt, in_mib, mib, table, tag
 from reports.view import Run
@@ -41,15 +42,17 @@ def search_banner(run: Run) -> str:
             f"g{s['group_size'] or 'channel'}" if answer["kind"] == "candidate" else "a reference variant of the recipe")
     how = (f"<p>Reproduce it as an ordinary variant: <code>quantize-eval {escape(s['reproduce_recipe'])}</code></p>"
            if s.get("reproduce_recipe") else "")
+    halves = bool(s.get("confirmation_rule"))  # a search from before the halves judged on all of its data
     verdict = (answer.get("sealed") or {}).get("verdict", answer["verdict"])
-    other = (f" The search data alone would have answered {escape(picked['name'])}; it did not hold on the sealed "
-             "data." if picked and picked["name"] != answer["name"] else "")
+    other = (f" {escape(unconfirmed(picked, s.get('stopped_at')))[0].upper()}"
+             f"{escape(unconfirmed(picked, s.get('stopped_at')))[1:]}."
+             if halves and picked and picked["name"] != answer["name"] else "")
     return (f'<div class="banner {escape(verdict)}">SEARCH ANSWER: {escape(answer["name"])} — '
-            f'{in_mib(answer["native_weight_bytes"]):.1f} MiB of weights as loaded natively; {kept}; '
-            f"confirmed on sealed data</div>"
+            f'{in_mib(answer["native_weight_bytes"]):.1f} MiB of weights as loaded natively; {kept}'
+            + ("; confirmed on sealed data" if halves else "") + "</div>"
             f"<p class='small'>{escape(tried)}; objective: {escape(s['objective'])}.{other} {_rule(s)} The run's "
-            "verdict below counts every candidate on the sealed data: a failing candidate is the search at work, not "
-            "a failure of the answer.</p>" + how)
+            "verdict below counts every candidate" + (" on the sealed data" if halves else "")
+            + ": a failing candidate is the search at work, not a failure of the answer.</p>" + how)
 
 
 def _rule(s: dict) -> str:

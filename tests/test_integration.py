@@ -46,7 +46,7 @@ def run(tmp_path_factory):
         "quality": {"suites": ["piqa", "siqa", "asdiv", "needle", "drift"], "limit": 12,
                     "limits": {"asdiv": 4}, "bootstrap_samples": 200,
                     "needle": {"context_tokens": [128], "depths": [0.0, 1.0], "per_cell": 1},
-                    "drift": {"windows": 2, "window_tokens": 64}},
+                    "drift": {"windows": 4, "window_tokens": 64}},
         "workload": {"prompt_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
                      "warmup_requests": 1, "repeats": 2,
                      "matrix": [{"prompt_tokens": 32, "output_tokens": 8, "concurrency": 1},

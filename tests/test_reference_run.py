@@ -40,7 +40,7 @@ def test_a_quality_only_run_on_the_reference_engine(tmp_path):
         "variants": [{"name": "fp8b", "scheme": "fp8_block"}, {"name": "kvfp8", "scheme": "none", "kv_cache": "fp8"},
                      {"name": "gptq", "scheme": "import", "checkpoint": "example:gptq"}],
         "quality": {"suites": ["piqa", "drift"], "limit": 6, "bootstrap_samples": 100,
-                    "drift": {"windows": 2, "window_tokens": 64}},
+                    "drift": {"windows": 4, "window_tokens": 64}},
         "gates": [{"metric": "accuracy_delta", "op": ">=", "threshold": -0.05},
                   {"metric": "tpot_p99_ratio", "op": "<=", "threshold": 1.2}],
         "runs_dir": str(tmp_path / "runs"),

@@ -21,13 +21,15 @@ def drift_rows(docs: list[str], code: int = 0) -> list[dict]:
 
 
 def test_item_halves_are_disjoint_cover_everything_and_depend_only_on_the_seed():
-    ids = list(range(101))
+    ids = list(range(1000))
     a, b = Split("search", 3).items("piqa", ids), Split("sealed", 3).items("piqa", ids)
-    assert not set(a) & set(b) and sorted(a + b) == ids and (len(a), len(b)) == (50, 51)
+    assert not set(a) & set(b) and sorted(a + b) == ids and 450 < len(a) < 550
     assert Split("search", 3).items("piqa", ids[::-1]) == a  # the order the ids came in does not matter
     assert Split("search", 4).items("piqa", ids) != a  # another seed, another half
     assert Split("search", 3).items("siqa", ids) != a  # each suite cut on its own
-    assert Split("search", 0).items("piqa", [7]) == [] and Split("sealed", 0).items("piqa", [7]) == [7]
+    # an item's side never moves with the other items a variant shares: a sealed item stays sealed
+    fewer = [i for i in ids if i != 37]
+    assert set(Split("search", 3).items("piqa", fewer)) == set(a) - {37}
 
 
 def test_prose_is_split_by_whole_essays_balanced_and_code_is_sealed_only():
@@ -53,7 +55,8 @@ def test_signoff_on_a_half_judges_only_its_items(tmp_path):
         sl = signoff.paired_slices(root / "baseline", b, root / "v4", v, 200, 0, Split(side, 0))
         n[side] = next(x for x in sl if x.slice == "piqa").n
     full = next(x for x in signoff.paired_slices(root / "baseline", b, root / "v4", v, 200, 0) if x.slice == "piqa")
-    assert n == {"search": 50, "sealed": 50} and full.n == 100
+    assert n == {side: len(Split(side, 0).items("piqa", list(range(100)))) for side in n} and full.n == 100
+    assert n["search"] + n["sealed"] == 100 and min(n.values()) > 30
 
 
 def row(name: str, weights: int, search: str, sealed_verdict: str, **kw) -> dict:
@@ -109,8 +112,8 @@ def gate_row(j: int, est: float, se: float) -> dict:
     lo, hi = est - sealed.Z95 * se, est + sealed.Z95 * se
     verdict = "PASS" if lo >= FLOOR else "FAIL" if est < FLOOR else "INCONCLUSIVE"
     return {"name": f"k{j:02d}", "kind": "candidate", "kv_tokens": None, "native_weight_bytes": 100 + j,
-            "verdict": verdict, "gates": {"top1_agreement[overall]": {
-                "value": est, "ci_low": lo, "ci_high": hi, "op": ">=", "threshold": FLOOR, "severity": "fail"}}}
+            "verdict": verdict, "gates": [{"gate": "top1_agreement[overall]", "value": est, "ci_low": lo,
+                                           "ci_high": hi, "op": ">=", "threshold": FLOOR, "severity": "fail"}]}
 
 
 def simulate(n_windows: int, sims: int, seed: int = 0) -> dict:
@@ -219,3 +222,63 @@ def test_an_fp8_kv_cache_served_by_the_engine_shares_its_schemes_checkpoint():
     key = {kv: keys.quantize_key(r, v.model_copy(update={"kv_cache": kv}), "m") for kv in
            ("auto", "fp8", "fp8_calibrated")}
     assert key["fp8"] == key["auto"] != key["fp8_calibrated"]  # calibrated scales are in the files
+
+
+def test_the_margin_reads_the_gates_own_bound_and_never_narrows():
+    def r(op, value, lo, hi, severity="fail"):
+        return {"verdict": "PASS", "gates": [{"gate": "g", "value": value, "ci_low": lo, "ci_high": hi, "op": op,
+                                              "threshold": 1.10 if op == "<=" else 0.85, "severity": severity}]}
+    assert sealed.passes_search(r(">=", 0.90, 0.88, 0.92))  # 0.90 - 1.84 x 0.02 = 0.863
+    assert not sealed.passes_search(r(">=", 0.865, 0.855, 0.875))  # 0.865 - 0.018 < 0.85 though its bound clears
+    assert not sealed.passes_search(r("<=", 1.06, 1.04, 1.085))  # 1.06 + 1.84 x 0.025 = 1.106 > 1.10
+    assert sealed.passes_search(r("<=", 1.06, None, 1.07))  # a <= gate reads the upper bound only
+    assert sealed.passes_search(r(">=", 0.865, 0.855, 0.875, "warn"))  # warn gates carry no margin
+    # a percentile interval that misses its own point: the distance still counts, it never makes passing easier
+    assert not sealed.passes_search(r(">=", 0.86, 0.87, 0.90))
+
+
+def test_a_failing_kv_twin_never_stops_a_memory_search():
+    auto = row("k3", 118, "PASS", "PASS", kv_cache="auto")
+    twin = row("k3-kvfp8", 118, "PASS", "FAIL", kv_cache="fp8")
+    wider = row("k5", 122, "PASS", "PASS", kv_cache="auto")
+    answer, order, stopped = sealed.confirm([auto, twin, wider], "memory")
+    assert answer["name"] == "k3" and "k3-kvfp8" not in order and stopped is None
+
+
+def test_drift_intervals_resample_whole_documents():
+    from pipeline.measure import drift
+
+    def windows(docs, agree):
+        n = np.full(len(docs), 100.0)
+        return {"kl_sum": np.full(len(docs), 1.0), "agree": np.array(agree, dtype=float), "n": n,
+                "nll_base": n * 2, "nll_var": n * 2.1, "kl_positions": np.zeros(1), "doc": docs}
+
+    # two essays of three windows each, the windows of one essay alike: 2 units to resample, not 6
+    two = drift.summarize(windows(["a"] * 3 + ["b"] * 3, [90] * 3 + [70] * 3), samples=2000)
+    six = drift.summarize(windows(list("abcdef"), [90] * 3 + [70] * 3), samples=2000)
+    assert two["documents"] == 2 and two["windows"] == 6 and two["top1_agreement"] == six["top1_agreement"]
+    assert two["top1_ci_low"] < six["top1_ci_low"]  # fewer independent units: a wider interval
+    one = drift.summarize(windows(["a", "a"], [90, 90]))
+    assert (one["top1_ci_low"], one["top1_ci_high"]) == (0.0, 1.0)  # one essay bounds nothing
+
+
+def test_validate_wants_drift_windows_over_two_essays_and_four_for_a_search(tmp_path):
+    from pipeline.recipe.schema import Recipe
+    from pipeline.run.preflight import PreflightError, check_drift
+    from tests import tinymodel
+
+    model = tinymodel.build(tmp_path / "tiny")
+
+    def recipe(windows: int, search: bool) -> Recipe:
+        d = {"schema_version": 1, "name": "d", "model": {"path": str(model)}, "engine": {"max_model_len": 512},
+             "variants": [{"name": "v", "scheme": "rtn_w4a16"}],
+             "quality": {"suites": ["drift"], "drift": {"windows": windows, "window_tokens": 256}},
+             "gates": [{"metric": "top1_agreement", "op": ">=", "threshold": 0.9}]}
+        return Recipe.model_validate({**d, **({"search": {}} if search else {})})
+
+    with pytest.raises(PreflightError, match=r"span 1 essay\(s\), 2 needed \(its intervals resample whole essays"):
+        check_drift(recipe(2, False), tmp_path / "d.yaml", model)  # both windows from the last essay
+    check_drift(recipe(4, False), tmp_path / "d.yaml", model)  # two essays
+    with pytest.raises(PreflightError, match=r"span 2 essay\(s\), 4 needed \(a search"):
+        check_drift(recipe(4, True), tmp_path / "d.yaml", model)
+    check_drift(recipe(8, True), tmp_path / "d.yaml", model)

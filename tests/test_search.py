@@ -193,7 +193,7 @@ def _search_json(answer: str | None, sealed_verdict: str = "PASS") -> dict:
     confirmation and frontier by pipeline/search/sealed.py itself."""
     row = {"name": "search-w8a16-k03", "kind": "candidate", "fallback": "w8a16", "k": 3,
            "kept": ["model.layers.11", "model.layers.12", "model.layers.2"], "verdict": "PASS", "reason": "",
-           "gates": {}, "checkpoint_bytes": 120 * 2**20, "native_weight_bytes": 118 * 2**20, "kv_tokens": 9000,
+           "gates": [], "checkpoint_bytes": 120 * 2**20, "native_weight_bytes": 118 * 2**20, "kv_tokens": 9000,
            "kv_projected": True, "top1_agreement": 0.87, "top1_ci": [0.86, 0.88], "kl_mean": 0.03,
            "accuracy_delta": -0.01, "accuracy_delta_ci": [-0.03, 0.01], "built_now": True, "quantize_wall_s": 50,
            "tpot_p95_ms": None,

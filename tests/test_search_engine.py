@@ -172,7 +172,8 @@ def test_the_answer_is_signed_off_on_data_the_search_never_read(searched):
     for r in [r for r in s["rows"] if r["kv_cache"] == "auto"] + s["references"]:  # (fp8 twins: SKIPPED here)
         z = r["sealed"]
         assert z["verdict"] in ("PASS", "WARN", "FAIL", "INCONCLUSIVE") and z["top1_agreement"] is not None
-        assert z["code_windows"] == 2 and z["code_top1_agreement"] is not None and z["items"] == 2  # 3 asdiv: 1 + 2
+        assert z["code_windows"] == 2 and z["code_top1_agreement"] is not None
+        assert z["items"] == len(Split("sealed", 0).items("asdiv", [0, 1, 2]))  # the sealed ones of 3 asdiv items
         assert set(r["gap"]) == {"top1_agreement", "accuracy_delta"}  # both halves have both figures
     rows = [json.loads(x) for x in (run / "baseline" / "samples" / "drift.jsonl").read_text().splitlines()]
     look, seal = Split("search", 0).essays(rows), Split("sealed", 0).essays(rows)
@@ -264,7 +265,8 @@ def test_validate_checks_the_sensitivity_windows_against_the_corpus(tmp_path):
                           text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert proc.returncode == 2 and "search.sensitivity.window_tokens: 4096" in proc.stderr
     d["search"]["sensitivity"] = {"windows": 2, "window_tokens": 256}
-    path.write_text(yaml.safe_dump(d))  # 2 drift windows of 256 tokens: both from the last essay
+    path.write_text(yaml.safe_dump(d))  # 2 drift windows of 256 tokens: both from the last essay, no halves
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "validate", str(path)], capture_output=True,
                           text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
-    assert proc.returncode == 2 and "quality.drift.windows: a search signs its answer off on essays" in proc.stderr
+    assert proc.returncode == 2 and "quality.drift.windows: 2 x 256 tokens span 1 essay(s), 4 needed (a search " \
+        "signs its answer off on essays it never read" in proc.stderr

@@ -35,7 +35,7 @@ def window_spans(n: int, count: int, length: int) -> list[tuple[int, int]]:
     return [(n - (count - j) * length, n - (count - j - 1) * length) for j in range(count)]
 
 
-PER_DOC = 4  # most windows cut from any one document
+PER_DOC = 2  # most windows cut from any one document (the intervals resample documents: more, smaller clusters)
 
 
 def spread_spans(docs: list[str] | None, n: int, count: int, length: int,
@@ -164,26 +164,45 @@ def compare(base: list[dict], var: list[dict]) -> dict:
         nll_b.append(-sum(b["actual"]))
         nll_v.append(-sum(v["actual"]))
     return {"kl_sum": np.array(kl_w), "agree": np.array(agree_w), "n": np.array(n_w, dtype=float),
-            "nll_base": np.array(nll_b), "nll_var": np.array(nll_v), "kl_positions": np.array(all_kl)}
+            "nll_base": np.array(nll_b), "nll_var": np.array(nll_v), "kl_positions": np.array(all_kl),
+            "doc": [b.get("doc") or f"window-{i}" for i, b in enumerate(base)]}
+
+
+SUMMED = ("kl_sum", "agree", "n", "nll_base", "nll_var")
+WHOLE_RANGE = 1e12  # the upper end of an interval that no data bounds (one document: nothing to resample)
+
+
+def by_document(c: dict) -> dict:
+    """The per-window sums added up per document (compare's "doc"): the units the intervals resample."""
+    docs = c.get("doc") or [f"window-{i}" for i in range(len(c["n"]))]
+    keys = list(dict.fromkeys(docs))
+    g = np.array([keys.index(d) for d in docs], dtype=int)
+    return {k: np.bincount(g, weights=np.asarray(c[k], dtype=float), minlength=len(keys)) for k in SUMMED}
 
 
 def summarize(c: dict, samples: int = 2000, seed: int = 0) -> dict:
-    """Means over all positions, 95% CIs by resampling whole windows (positions within a window
-    are not independent)."""
-    n = c["n"]
+    """Means over all positions, 95% CIs by resampling whole documents: positions within a window are not
+    independent, nor are windows cut from one essay. With one document there is nothing to resample: the
+    intervals span the whole range, so no gate is certified on it."""
+    u = by_document(c)
+    n = u["n"]
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(n), size=(samples, len(n)))
 
-    def ratio_ci(num, den):
+    def ratio_ci(num, den, whole=(0.0, WHOLE_RANGE)):
+        point = float(num.sum() / den.sum())
+        if len(n) < 2:
+            return point, *whole
         boot = num[idx].sum(axis=1) / den[idx].sum(axis=1)
         lo, hi = np.percentile(boot, [2.5, 97.5])
-        return float(num.sum() / den.sum()), float(lo), float(hi)
+        return point, float(lo), float(hi)
 
-    kl, kl_lo, kl_hi = ratio_ci(c["kl_sum"], n)
-    ag, ag_lo, ag_hi = ratio_ci(c["agree"].astype(float), n)
-    d = c["nll_var"] - c["nll_base"]  # log perplexity ratio = sum(d) / tokens
-    lr, lr_lo, lr_hi = ratio_ci(d, n)
-    return {"tokens": int(n.sum()), "windows": len(n), "kl_mean": kl, "kl_ci_low": kl_lo, "kl_ci_high": kl_hi,
+    kl, kl_lo, kl_hi = ratio_ci(u["kl_sum"], n)
+    ag, ag_lo, ag_hi = ratio_ci(u["agree"], n, (0.0, 1.0))
+    d = u["nll_var"] - u["nll_base"]  # log perplexity ratio = sum(d) / tokens
+    lr, lr_lo, lr_hi = ratio_ci(d, n, (-math.log(WHOLE_RANGE), math.log(WHOLE_RANGE)))
+    return {"tokens": int(n.sum()), "windows": len(c["n"]), "documents": len(n),
+            "kl_mean": kl, "kl_ci_low": kl_lo, "kl_ci_high": kl_hi,
             "kl_p99": float(np.percentile(c["kl_positions"], 99)) if len(c["kl_positions"]) else math.nan,
             "top1_agreement": ag, "top1_ci_low": ag_lo, "top1_ci_high": ag_hi,
             "ppl_base": math.exp(c["nll_base"].sum() / n.sum()), "ppl_var": math.exp(c["nll_var"].sum() / n.sum()),

@@ -1,10 +1,10 @@
 """The search's two halves of the quality data: what the ladder may read (search) and what signs its answer off
 (sealed), chosen by a seed before any candidate is scored.
 
-    suites        each suite's items, shuffled by (seed, suite) and cut in half (sealed takes the odd one)
+    suites        each suite's items, each given to a side by a hash of (seed, suite, item id): about half each
     drift, prose  whole essays: a seeded shuffle of the essays the drift windows come from, each given to the
                   side with fewer windows so far, so the sealed prose is other documents, not other windows
-                  of the same text
+                  of the same text (the drift intervals resample whole documents too)
     drift, code   the second text domain (HumanEval, `quality.drift.code_windows`): sealed only; the search
                   never reads a line of code
 
@@ -14,6 +14,7 @@ Every variant is scored on all of it in one pass (one engine start); the halves 
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass
 
@@ -30,12 +31,13 @@ class Split:
             raise ValueError(f"split side {self.side!r}: one of {', '.join(SIDES)}")
 
     def items(self, suite: str, ids: list) -> list:
-        """This side's items of a suite, from the ids both sides share (sorted before shuffling: the same
-        ids give the same halves whatever order they came in)."""
-        order = sorted(ids)
-        random.Random(f"{self.seed}:{suite}").shuffle(order)
-        half = len(order) // 2
-        return sorted(order[:half] if self.side == "search" else order[half:])
+        """This side's items of a suite: each item's side is a coin of its own, (seed, suite, id) hashed, so it
+        never moves with which other items a variant happens to share (about half on each side)."""
+        return sorted(i for i in ids if self.side_of(suite, i) == self.side)
+
+    def side_of(self, suite: str, item) -> str:
+        h = hashlib.sha256(f"{self.seed}:{suite}:{item}".encode()).digest()
+        return SIDES[h[0] & 1]
 
     def essays(self, rows: list[dict]) -> set[str]:
         """The essays (documents) this side's prose windows come from."""

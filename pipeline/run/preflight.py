@@ -68,26 +68,31 @@ def check_search(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
                              f"max_position_embeddings {limit}")
     try:
         sensitivity.windows(recipe, model_dir)
-        windows = _drift_windows(recipe, model_dir)
     except ValueError as exc:
         raise PreflightError(f"{recipe_path}: {exc}") from None
-    docs = {w["doc"] for w in windows if w["domain"] == "essays"}
-    if windows and len(docs) < 2:
-        d = recipe.quality.drift
-        raise PreflightError(f"{recipe_path}: quality.drift.windows: a search signs its answer off on essays it "
-                             f"never read, so the drift windows must span two essays or more; {d.windows} x "
-                             f"{d.window_tokens} tokens span {len(docs)}: raise quality.drift.windows")
 
 
-def _drift_windows(recipe: Recipe, model_dir: Path) -> list[dict]:
-    """The drift suite's windows (ValueError when its corpora are too short for them); [] without it."""
+def check_drift(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
+    """The drift windows fit their corpora and span enough essays: the intervals resample whole essays, so
+    one essay bounds nothing, and a search cuts them into two halves of two essays or more."""
     if "drift" not in recipe.quality.suites:
-        return []
+        return
     from transformers import AutoTokenizer
 
     from pipeline.stages import quality
 
-    return quality.drift_windows(AutoTokenizer.from_pretrained(model_dir), recipe.quality.drift)
+    d = recipe.quality.drift
+    try:
+        windows = quality.drift_windows(AutoTokenizer.from_pretrained(model_dir), d)
+    except ValueError as exc:
+        raise PreflightError(f"{recipe_path}: {exc}") from None
+    docs = {w["doc"] for w in windows if w["domain"] == "essays"}
+    need = 4 if recipe.search is not None else 2
+    if len(docs) < need:
+        why = ("a search signs its answer off on essays it never read, so each half needs two"
+               if recipe.search is not None else "its intervals resample whole essays, and one bounds nothing")
+        raise PreflightError(f"{recipe_path}: quality.drift.windows: {d.windows} x {d.window_tokens} tokens span "
+                             f"{len(docs)} essay(s), {need} needed ({why}): raise quality.drift.windows")
 
 
 def _base_plan(recipe: Recipe, model_dir: Path):
@@ -310,6 +315,7 @@ def for_validate(recipe: Recipe, recipe_path: Path) -> str | None:
         model_dir = Path(recipe.model.path).resolve()
     check_model_limits(recipe, recipe_path, model_dir)
     check_search(recipe, recipe_path, model_dir)
+    check_drift(recipe, recipe_path, model_dir)
     check_disk(recipe, model_dir)
     check_budget(recipe, recipe_path, model_dir)
     check_runs_dir(recipe, recipe_path)
@@ -333,6 +339,7 @@ def check_architecture(recipe: Recipe, model_dir: Path) -> None:
 def preflight(recipe: Recipe, recipe_path: Path, model_dir: Path) -> None:
     check_model_limits(recipe, recipe_path, model_dir)
     check_search(recipe, recipe_path, model_dir)
+    check_drift(recipe, recipe_path, model_dir)
     check_disk(recipe, model_dir)
     check_budget(recipe, recipe_path, model_dir)
     fetch_data(recipe, recipe_path)

@@ -189,10 +189,7 @@ def row_of(ctx, name: str, verdict, kind: str, fallback: str | None = None, k: i
     # served from the base weights as they are (a KV-cache-only variant); bitsandbytes NF4, quantized by
     # the engine at load, has no checkpoint to count and is left without a figure
     base_weights = any(v.name == name and v.scheme == "none" for v in ctx.recipe.variants)
-    gates = {f"{g.metric}[{g.scope}]": {"value": g.measured.value, "ci_low": g.measured.ci_low,
-                                        "ci_high": g.measured.ci_high, "outcome": g.outcome, "op": g.op,
-                                        "threshold": g.threshold, "severity": g.severity}
-             for g in (verdict.gates if verdict else [])}
+    gates = sealed.gate_rows(verdict.gates if verdict else [])
     overall = next((p for p in (verdict.paired if verdict else []) if p.slice == "overall"), None)
     spec = next((v for v in ctx.recipe.variants if v.name == name), None)
     row = {
@@ -269,7 +266,7 @@ def _candidate(ctx, manifest: dict, ranked: list[dict], modules: list[str], fall
 def choose(rows: list[dict], objective: str) -> dict | None:
     """What the search data alone would answer: among the candidates and references that pass a search look,
     the cheapest by the objective (sealed.cost: the least memory, or the most KV tokens)."""
-    ok = [r for r in rows if sealed.passes_search(r) and sealed.cost(r, objective) is not None]
+    ok = [r for r in rows if sealed.can_answer(r, objective)]
     return min(ok, key=lambda r: (sealed.cost(r, objective), r["name"]), default=None)
 
 
@@ -373,6 +370,7 @@ def kv_twins(ctx, manifest: dict, rows: list[dict], kv_cache: tuple[str, ...], l
             runner.run_stage(ctx, v.name)
             verdict = _judge(ctx, manifest, v, look)
             row = row_of(ctx, v.name, verdict, "candidate", r["fallback"], r["k"], r["kept"])
+            row["parent"] = r["name"]
             say(v.name, f"search: {row['verdict']} on search data" + (f" ({row['reason']})" if row["reason"] else "")
                 + (f"; {row['kv_tokens']:,} KV tokens under the budget" if row["kv_tokens"] else ""))
             twins.append(row)
@@ -399,8 +397,7 @@ def _headline(answer: dict | None, picked: dict | None, stopped: str | None, bui
     if answer:
         return (f"SEARCH: FOUND {answer['name']} (sealed {answer['sealed']['verdict']}), "
                 f"{answer['native_weight_bytes'] / 2**20:.1f} MiB of weights as loaded natively"
-                + (f"; the search data's pick {picked['name']} did not hold on sealed data"
-                   if picked and picked["name"] != answer["name"] else ""))
+                + (f"; {sealed.unconfirmed(picked, stopped)}" if picked and picked["name"] != answer["name"] else ""))
     if picked:
         return (f"SEARCH: NOT CONFIRMED: {stopped} passed on search data and not on sealed data "
                 f"(the first of the confirmation sequence); nothing is signed off")
@@ -431,12 +428,13 @@ def _answer(ctx, recipe: Recipe, recipe_path: Path, ranked, sens, rows, refs, an
     out = ctx.run_dir.root / "search"
     reproduce = None
     if answer and answer["kind"] == "candidate":
-        llmc = out / f"{answer['name']}.llmc.yaml"
+        llmc = out / f"{answer.get('parent') or answer['name']}.llmc.yaml"  # a KV twin: its sibling's checkpoint
         data = yaml.safe_load(Path(recipe_path).read_text())
         data.pop("search", None)
         data["name"] = f"{recipe.name}-chosen"
         data["variants"] = [{"name": answer["name"].removeprefix("search-"), "scheme": "custom",
-                             "recipe": str(llmc.resolve())}]
+                             "recipe": str(llmc.resolve()),
+                             **({"kv_cache": answer["kv_cache"]} if answer.get("kv_cache", "auto") != "auto" else {})}]
         reproduce = out / "chosen-recipe.yaml"
         reproduce.write_text(f"# {answer['name']}, found by `quantize-eval search {recipe_path}`: keeps "
                              f"{mixed.describe_parts(answer['kept'])} at {answer['fallback']}\n"

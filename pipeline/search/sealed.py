@@ -25,12 +25,21 @@ Z95 = NormalDist().inv_cdf(0.975)  # the gates' own 95% intervals
 REPLICATE = 0.95  # the chance a search look aims for that the sealed half passes too
 WIDEN = (Z95 + NormalDist().inv_cdf(REPLICATE)) / Z95
 MARGIN_RULE = (f"on the search data a candidate passes only when every fail gate's interval, widened {WIDEN:.2f}x "
-               f"(normal approximation from its 95% half-width), clears the threshold: it would pass on a sealed half "
-               f"as large with {REPLICATE:.0%} chance were the truth its search estimate")
+               f"(normal approximation from its 95% half-width), clears the threshold: each such gate would pass on a "
+               f"sealed half as large with {REPLICATE:.0%} chance were the truth its search estimate (the gates on the "
+               f"code windows are sealed only and carry no margin)")
 RULE = ("fixed sequence: candidates that passed on search data, from the most to the least costly, judged on "
         "sealed data in that order by the recipe's gates (95% intervals each), stopping at the first that does not "
         "pass; the answer is the cheapest confirmed, and every confirmed one meets its gates with family-wise error "
         "at most the gates' own level")
+
+
+def gate_rows(gates) -> list[dict]:
+    """A sign-off's gates as search.json keeps them: one entry per gate (a fail and a warn gate on one metric
+    and scope stay apart)."""
+    return [{"gate": f"{g.metric}[{g.scope}]", "value": g.measured.value, "ci_low": g.measured.ci_low,
+             "ci_high": g.measured.ci_high, "outcome": g.outcome, "op": g.op, "threshold": g.threshold,
+             "severity": g.severity} for g in gates]
 
 
 def passes_search(row: dict) -> bool:
@@ -39,14 +48,24 @@ def passes_search(row: dict) -> bool:
     half little more often than a coin lands heads (tests/test_sealed.py simulates both)."""
     if row["verdict"] not in PASSING:
         return False
-    for g in (row.get("gates") or {}).values():
-        if g.get("severity", "fail") != "fail" or g.get("value") is None or g.get("ci_low") is None:
+    for g in row.get("gates") or []:
+        bound = g.get("ci_low") if g.get("op") == ">=" else g.get("ci_high")
+        if g.get("severity", "fail") != "fail" or g.get("value") is None or bound is None:
             continue
-        if g["op"] == ">=" and g["value"] - WIDEN * (g["value"] - g["ci_low"]) < g["threshold"]:
+        half = max(0.0, abs(g["value"] - bound))  # the conservative side's half-width, never negative
+        if g["op"] == ">=" and g["value"] - WIDEN * half < g["threshold"]:
             return False
-        if g["op"] == "<=" and g["value"] + WIDEN * (g["ci_high"] - g["value"]) > g["threshold"]:
+        if g["op"] == "<=" and g["value"] + WIDEN * half > g["threshold"]:
             return False
     return True
+
+
+def unconfirmed(picked: dict, stopped: str | None) -> str:
+    """Why the search data's own pick is not the answer, as the console and the page say it."""
+    if stopped == picked["name"]:
+        return f"the search data's pick {picked['name']} did not hold on the sealed data"
+    return (f"the search data's pick {picked['name']} was not reached: the confirmation stopped at {stopped}, "
+            "which did not hold on the sealed data")
 
 
 def sealed_fields(verdict) -> dict:
@@ -55,9 +74,7 @@ def sealed_fields(verdict) -> dict:
     overall = next((p for p in verdict.paired if p.slice == "overall"), None)
     return {
         "verdict": verdict.verdict, "reason": verdict.reason,
-        "gates": {f"{g.metric}[{g.scope}]": {"value": g.measured.value, "ci_low": g.measured.ci_low,
-                                             "ci_high": g.measured.ci_high, "outcome": g.outcome}
-                  for g in verdict.gates},
+        "gates": gate_rows(verdict.gates),
         "top1_agreement": d.top1_agreement if d else None, "top1_ci": [d.top1_ci_low, d.top1_ci_high] if d else None,
         "kl_mean": d.kl_mean if d else None, "windows": d.windows if d else 0,
         "code_top1_agreement": c.top1_agreement if c else None,
@@ -87,10 +104,17 @@ def cost(row: dict, objective: str) -> tuple | None:
     return (row["native_weight_bytes"], int(row.get("kv_cache", "auto") != "auto"))
 
 
+def can_answer(row: dict, objective: str) -> bool:
+    """Passes the search look and has the objective's figure; a KV-cache twin only where it can buy something
+    (capacity: memory cannot tell it from its sibling, and a failing twin would stop the sequence for it)."""
+    return (passes_search(row) and cost(row, objective) is not None
+            and (objective == "capacity" or row.get("kv_cache", "auto") == "auto"))
+
+
 def confirm(rows: list[dict], objective: str) -> tuple[dict | None, list[str], str | None]:
     """(the answer: the cheapest confirmed, or None; the names in the order they were judged on sealed data;
     the one the sequence stopped at, or None). Marks each row's "confirmed"."""
-    eligible = [r for r in rows if passes_search(r) and cost(r, objective) is not None]
+    eligible = [r for r in rows if can_answer(r, objective)]
     order = sorted(eligible, key=lambda r: (cost(r, objective), r["name"]), reverse=True)  # most costly first
     for r in rows:
         r["confirmed"] = False
@@ -119,9 +143,9 @@ def _value(row: dict, field: str):
 
 
 def frontier(rows: list[dict]) -> dict:
-    """Marks "pareto" on every row that no other row beats on every axis measured for all of them (at least as
-    good on each, better on one); the axes left out are named with why."""
-    pts = [r for r in rows if (r.get("sealed") or {}).get("verdict") not in (None, "FAILED-TO-RUN", "SKIPPED")
+    """Marks "pareto" on every row that passes its sealed half and that no other such row beats on every axis
+    measured for all of them (at least as good on each, better on one); the axes left out are named."""
+    pts = [r for r in rows if (r.get("sealed") or {}).get("verdict") in PASSING  # shippable points only
            and r.get("native_weight_bytes") is not None]
     used = [(f, better) for f, better, _ in AXES if pts and all(_value(r, f) is not None for r in pts)]
     left_out = [label for f, _, label in AXES if (f, "low") not in used and (f, "high") not in used]

@@ -397,8 +397,10 @@ def run_drift(server: Engine, tok, spec, vdir: Path, label: str = "") -> DriftQu
     code = f"; {spec.code_windows} x {spec.window_tokens} tokens of {assets.HUMANEVAL.name}=={assets.HUMANEVAL.version} " \
            "code scored apart" if spec.code_windows else ""
     return DriftQuality(windows=len(prose), tokens=tokens, window_tokens=spec.window_tokens, top_k=spec.top_k,
-                        perplexity=ppl, corpus=f"{assets.NEEDLE.name}=={assets.NEEDLE.version} essays, last "
-                        f"{len(prose)} x {spec.window_tokens} tokens{code}", code_windows=len(rows) - len(prose),
+                        perplexity=ppl, corpus=f"{assets.NEEDLE.name}=={assets.NEEDLE.version} essays, "
+                        f"{len(prose)} x {spec.window_tokens} tokens from the last "
+                        f"{len({r['doc'] for r in prose})} ({drift.PER_DOC} at most from each){code}",
+                        code_windows=len(rows) - len(prose),
                         samples_file=str(path.relative_to(vdir)),
                         samples_sha256=hashlib.sha256(text.encode()).hexdigest())
 

@@ -303,13 +303,16 @@ def signoff(recipe, recipe_hash: str, run_root: Path, results: dict, split: Spli
     recommended = None
     rule, key = OBJECTIVES[recipe.objective]
     ranked = [n for n in passing if _safe(key, results[n]) is not None]
-    if ranked:
+    if ranked and split is None:  # a search's answer is its confirmed candidate (search.json), chosen by its rule
         recommended = min(ranked, key=lambda n: _safe(key, results[n]))
+    if split is not None:
+        rule = "a search recommends its answer (search.json), confirmed on the sealed half by the search's rule"
     verdict = ("FAIL" if bad else "UNVERIFIED" if unverified else "INCONCLUSIVE" if undecided
                else "WARN" if warn else "PASS")
     return Signoff(recipe=recipe.name, recipe_hash=recipe_hash, verdict=verdict, exit_code=EXIT_CODES[verdict],
                    variants=verdicts, recommended=recommended,
-                   recommendation_rule=f"{rule}, among variants whose gates pass (PASS or WARN)")
+                   recommendation_rule=rule if split is not None else
+                   f"{rule}, among variants whose gates pass (PASS or WARN)")
 
 
 # the process's exit code per run verdict (2: bad input, from the CLI; 3: `compare`, not like for like)
