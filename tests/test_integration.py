@@ -188,9 +188,10 @@ def test_generative_suites_and_drift_are_scored(run):
     n = q["suites"]["needle"]
     assert n["n"] == 2 and set(n["slices"]) >= {"depth=0%", "depth=100%", "context=128 tok"}
     d = q["drift"]
-    assert d["tokens"] == 2 * 63 and d["perplexity"] > 1
+    assert d["tokens"] == 4 * 63 and d["perplexity"] > 1
     dr = next(v for v in load(run, "signoff.json")["variants"] if v["variant"] == "awq")["drift"]
-    assert dr["tokens"] == 126 and dr["kl_mean"] > 0 and 0 <= dr["top1_agreement"] <= 1
+    assert dr["tokens"] == 252 and dr["kl_mean"] > 0 and 0 <= dr["top1_agreement"] <= 1
+    assert dr["windows"] == 4 and dr["documents"] == 2  # 2 windows at most from an essay; CIs resample essays
     assert dr["ppl_base"] == pytest.approx(load(run, "baseline", "quality.json")["drift"]["perplexity"], rel=1e-6)
     html = (run["dir"] / "report.html").read_text()
     assert "Token-level drift against the baseline" in html and "lower bound" in html
