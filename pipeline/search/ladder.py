@@ -9,13 +9,16 @@
                                        uniform scheme), then a first guess from the sensitivity curve,
                                        then bisection between the largest failing and smallest passing k
     each candidate                     a real llm-compressor checkpoint (pipeline/search/mixed.py), quantized,
-                                       evaluated and signed off exactly as a `scheme: custom` variant
-                                       (its checkpoint and results cached: widening the search reuses them)
-    answer                             RUN/search/search.json, the report's search section, and
+                                       evaluated as a `scheme: custom` variant (its checkpoint and results
+                                       cached: widening the search reuses them), judged on the search half of
+                                       the quality data with a replication margin (pipeline/search/sealed.py)
+    KV twins                           search.kv_cache: each passing candidate served again with an FP8 KV cache
+    answer                             confirmed on the sealed half, which nothing above read (sealed.confirm);
+                                       RUN/search/search.json, the report's search section, and
                                        RUN/search/chosen-recipe.yaml reproducing the answer as a variant
 
 Every figure on the frontier is measured on a built candidate; the sensitivity curve only chooses
-which k to build next. Exit 0 when a candidate (or reference) passes, 1 when none did.
+which k to build next. Exit 0 when a candidate (or reference) is confirmed on the sealed half, 1 when none is.
 """
 
 from __future__ import annotations
