@@ -135,8 +135,9 @@ def _halves(s: dict) -> str:
             f"<b>Winner's curse</b> of the search data's pick ({escape(s.get('search_answer') or 'none')}), search "
             f"minus sealed: {escape(curse_txt)}. Positive gaps are what choosing on the search data adds; the sealed "
             "column is the figure to sign on."
-            + f" <b>Pareto</b>: not beaten on every one of {escape(', '.join(front.get('axes') or ['–']))}"
-            + (f" (left out, not measured for every point: {escape(', '.join(left))})" if left else "") + "."
+            + (f" <b>Pareto</b>: {escape(front['note'])}." if front.get("note") else
+               f" <b>Pareto</b>: not beaten on every one of {escape(', '.join(front.get('axes') or ['–']))}"
+               + (f" (left out, not measured for every point: {escape(', '.join(left))})" if left else "") + ".")
             + _kv_space(s) + "</p>")
 
 

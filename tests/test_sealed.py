@@ -93,6 +93,14 @@ def test_frontier_marks_what_nothing_beats_on_the_axes_measured_for_all():
     assert "p95 TPOT" in f["not_measured_for_every_point"]
 
 
+def test_no_shippable_point_means_no_frontier_not_unmeasured_axes():
+    rows = [row("a", 100, "FAIL", "FAIL", sealed={"top1_agreement": 0.80}),
+            row("b", 120, "INCONCLUSIVE", "INCONCLUSIVE", sealed={"top1_agreement": 0.86})]
+    f = sealed.frontier(rows)
+    assert not any(r["pareto"] for r in rows) and f["axes"] == [] and f["not_measured_for_every_point"] == []
+    assert "no candidate or reference passed its sealed half" in f["note"]
+
+
 def test_gap_is_search_minus_sealed():
     r = row("a", 1, "PASS", "PASS", top1_agreement=0.86, accuracy_delta=None,
             sealed={"top1_agreement": 0.84, "accuracy_delta": -0.01})

@@ -147,14 +147,17 @@ def frontier(rows: list[dict]) -> dict:
     measured for all of them (at least as good on each, better on one); the axes left out are named."""
     pts = [r for r in rows if (r.get("sealed") or {}).get("verdict") in PASSING  # shippable points only
            and r.get("native_weight_bytes") is not None]
-    used = [(f, better) for f, better, _ in AXES if pts and all(_value(r, f) is not None for r in pts)]
+    for r in rows:
+        r["pareto"] = False
+    if not pts:
+        return {"axes": [], "not_measured_for_every_point": [], "note": "no candidate or reference passed its "
+                "sealed half: there is no frontier of shippable points"}
+    used = [(f, better) for f, better, _ in AXES if all(_value(r, f) is not None for r in pts)]
     left_out = [label for f, _, label in AXES if (f, "low") not in used and (f, "high") not in used]
 
     def key(r: dict) -> list[float]:
         return [_value(r, f) if better == "high" else -_value(r, f) for f, better in used]
 
-    for r in rows:
-        r["pareto"] = False
     for r in pts:
         mine = key(r)
         r["pareto"] = not any(all(a >= b for a, b in zip(key(o), mine, strict=True)) and key(o) != mine
