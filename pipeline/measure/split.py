@@ -42,9 +42,8 @@ class Split:
     def essays(self, rows: list[dict]) -> set[str]:
         """The essays (documents) this side's prose windows come from."""
         count: dict[str, int] = {}
-        for r in rows:
-            if domain(r) == "essays":
-                count[doc(r)] = count.get(doc(r), 0) + 1
+        for r in prose(rows):
+            count[doc(r)] = count.get(doc(r), 0) + 1
         docs = sorted(count)
         random.Random(f"{self.seed}:drift").shuffle(docs)
         held = {"search": 0, "sealed": 0}
@@ -59,11 +58,11 @@ class Split:
     def prose(self, rows: list[dict]) -> list[dict]:
         """This side's essay windows."""
         mine = self.essays(rows)
-        return [r for r in rows if domain(r) == "essays" and doc(r) in mine]
+        return [r for r in prose(rows) if doc(r) in mine]
 
     def code(self, rows: list[dict]) -> list[dict]:
         """The second domain's windows: all of them on the sealed side, none on the search side."""
-        return [r for r in rows if domain(r) == "code"] if self.side == "sealed" else []
+        return code(rows) if self.side == "sealed" else []
 
     def describe(self) -> str:
         return f"{self.side} half, split seed {self.seed}"

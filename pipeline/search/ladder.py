@@ -187,13 +187,12 @@ def row_of(ctx, name: str, verdict, kind: str, fallback: str | None = None, k: i
            kept: list[str] | None = None) -> dict:
     """One point of the frontier: what was measured of a candidate or reference."""
     o = outcome.read(ctx.run_dir.variant(name))
-    s, qr, d = o.systems, o.quantize, verdict.drift if verdict else None
+    s, qr = o.systems, o.quantize
     weights_dir = Path(qr.checkpoint_dir) if qr else ctx.model_dir
     # served from the base weights as they are (a KV-cache-only variant); bitsandbytes NF4, quantized by
     # the engine at load, has no checkpoint to count and is left without a figure
     base_weights = any(v.name == name and v.scheme == "none" for v in ctx.recipe.variants)
     gates = sealed.gate_rows(verdict.gates if verdict else [])
-    overall = next((p for p in (verdict.paired if verdict else []) if p.slice == "overall"), None)
     spec = next((v for v in ctx.recipe.variants if v.name == name), None)
     row = {
         "name": name, "kind": kind, "fallback": fallback, "k": k, "kept": kept or [],
@@ -202,11 +201,8 @@ def row_of(ctx, name: str, verdict, kind: str, fallback: str | None = None, k: i
         "gates": gates, "checkpoint_bytes": qr.checkpoint_bytes if qr else None,
         "native_weight_bytes": _native_weight_bytes(weights_dir, ctx.model_dir) if qr or base_weights else None,
         "kv_tokens": kv_tokens(s), "kv_projected": bool(s and s.kv and s.kv.plan and s.kv.plan.projected),
-        "top1_agreement": d.top1_agreement if d else None, "top1_ci": [d.top1_ci_low, d.top1_ci_high] if d else None,
-        "kl_mean": d.kl_mean if d else None,
+        **sealed.quality_fields(verdict),
         "tpot_p95_ms": s.latency.tpot_ms.p95 if s and s.status == "ok" and s.latency else None,
-        "accuracy_delta": overall.delta if overall else None,
-        "accuracy_delta_ci": [overall.delta_ci_low, overall.delta_ci_high] if overall else None,
         "built_now": False, "quantize_wall_s": qr.quantize_wall_s if qr else None,
     }
     row["search_pass"] = sealed.passes_search(row)  # the ladder's look, with the replication margin

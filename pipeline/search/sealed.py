@@ -68,19 +68,28 @@ def unconfirmed(picked: dict, stopped: str | None) -> str:
             "which did not hold on the sealed data")
 
 
+def quality_fields(verdict) -> dict:
+    """The quality figures a sign-off (a VariantSignoff, or None) gives a frontier row, on whichever half it
+    was judged: top-1 and KL on the prose windows, Δ accuracy over the pooled items, with their CIs."""
+    d = verdict.drift if verdict else None
+    overall = next((p for p in (verdict.paired if verdict else []) if p.slice == "overall"), None)
+    return {
+        "top1_agreement": d.top1_agreement if d else None, "top1_ci": [d.top1_ci_low, d.top1_ci_high] if d else None,
+        "kl_mean": d.kl_mean if d else None,
+        "accuracy_delta": overall.delta if overall else None,
+        "accuracy_delta_ci": [overall.delta_ci_low, overall.delta_ci_high] if overall else None,
+    }
+
+
 def sealed_fields(verdict) -> dict:
     """What the sealed half says of one candidate or reference (a VariantSignoff judged on it)."""
     d, c = verdict.drift, verdict.drift_code
     overall = next((p for p in verdict.paired if p.slice == "overall"), None)
     return {
-        "verdict": verdict.verdict, "reason": verdict.reason,
-        "gates": gate_rows(verdict.gates),
-        "top1_agreement": d.top1_agreement if d else None, "top1_ci": [d.top1_ci_low, d.top1_ci_high] if d else None,
-        "kl_mean": d.kl_mean if d else None, "windows": d.windows if d else 0,
+        "verdict": verdict.verdict, "reason": verdict.reason, "gates": gate_rows(verdict.gates),
+        **quality_fields(verdict), "windows": d.windows if d else 0,
         "code_top1_agreement": c.top1_agreement if c else None,
         "code_top1_ci": [c.top1_ci_low, c.top1_ci_high] if c else None, "code_windows": c.windows if c else 0,
-        "accuracy_delta": overall.delta if overall else None,
-        "accuracy_delta_ci": [overall.delta_ci_low, overall.delta_ci_high] if overall else None,
         "items": overall.n if overall else 0,
     }
 
@@ -94,14 +103,13 @@ def gap(row: dict) -> dict:
 
 
 def cost(row: dict, objective: str) -> tuple | None:
-    """What the objective minimises, in order: memory, the weights as loaded natively (then a KV cache other than
-    the baseline's counts as dearer: it buys memory nothing); capacity, minus the KV tokens under the budget
-    (then the weights)."""
+    """What the objective minimises, in order: memory, the weights as loaded natively; capacity, minus the KV
+    tokens under the budget (then the weights)."""
     if row.get("native_weight_bytes") is None:
         return None
     if objective == "capacity":
         return (-row["kv_tokens"], row["native_weight_bytes"]) if row.get("kv_tokens") is not None else None
-    return (row["native_weight_bytes"], int(row.get("kv_cache", "auto") != "auto"))
+    return (row["native_weight_bytes"],)
 
 
 def can_answer(row: dict, objective: str) -> bool:
