@@ -209,7 +209,7 @@ def test_capacity_takes_the_fp8_kv_twin_where_memory_cannot_tell_them_apart():
 
 def test_a_capacity_search_that_could_not_serve_fp8_says_why():
     from pipeline.recipe.search_section import SearchSpec
-    from pipeline.search.ladder import kv_space
+    from pipeline.search.points import kv_space
 
     why = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
     rows = [row("k3", 118, "PASS", "PASS", kv_cache="auto"),

@@ -30,16 +30,15 @@ from pathlib import Path
 import yaml
 
 from pipeline.engines.workers.sensitivity_parts import kept_modules
-from pipeline.measure import membudget
 from pipeline.measure.split import Split
 from pipeline.progress import say
 from pipeline.recipe.schema import Recipe, VariantSpec
 from pipeline.run import runner
-from pipeline.runstore import atomic_write_text, hash_obj, run_lock, write_json
-from pipeline.search import mixed, sealed
-from pipeline.setup import envs, modelcfg
+from pipeline.runstore import run_lock, write_json
+from pipeline.search import mixed, points, sealed
+from pipeline.setup import envs
 from pipeline.stages import sensitivity
-from pipeline.store import keys, outcome, provenance
+from pipeline.store import keys, outcome
 from pipeline.store.outcome import Spent
 
 TOP1_MARGIN = 0.01  # the first guess aims this far above a top-1 gate (judged on its CI's lower bound)
@@ -167,65 +166,6 @@ def _gate_floor(recipe: Recipe, metric: str) -> float | None:
     return max(floors) if floors else None
 
 
-def _llmc_file(llmc: dict) -> Path:
-    """Content-addressed, so the same candidate is the same checkpoint (and results) in any later search."""
-    path = envs.home() / "search-recipes" / f"{hash_obj(llmc)[:20]}.yaml"
-    if not path.exists():
-        atomic_write_text(path, yaml.safe_dump(llmc, sort_keys=False))
-    return path
-
-
-def _native_weight_bytes(weights_dir: Path, model_dir: Path) -> int:
-    """Weights as a native kernel holds them, floats in the model's own dtype (the 4-bit CPU kernel needs
-    bfloat16; GPUs serve 16-bit), so every candidate and reference is counted alike on any host."""
-    cfg = modelcfg.read(model_dir)
-    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-    return membudget.weights_as_loaded(weights_dir, provenance.dtype_bytes(dtype))
-
-
-def row_of(ctx, name: str, verdict, kind: str, fallback: str | None = None, k: int | None = None,
-           kept: list[str] | None = None) -> dict:
-    """One point of the frontier: what was measured of a candidate or reference."""
-    o = outcome.read(ctx.run_dir.variant(name))
-    s, qr = o.systems, o.quantize
-    weights_dir = Path(qr.checkpoint_dir) if qr else ctx.model_dir
-    # served from the base weights as they are (a KV-cache-only variant); bitsandbytes NF4, quantized by
-    # the engine at load, has no checkpoint to count and is left without a figure
-    base_weights = any(v.name == name and v.scheme == "none" for v in ctx.recipe.variants)
-    gates = sealed.gate_rows(verdict.gates if verdict else [])
-    spec = next((v for v in ctx.recipe.variants if v.name == name), None)
-    row = {
-        "name": name, "kind": kind, "fallback": fallback, "k": k, "kept": kept or [],
-        "kv_cache": spec.kv_cache if spec else "auto",
-        "verdict": verdict.verdict if verdict else "FAILED-TO-RUN", "reason": verdict.reason if verdict else o.error,
-        "gates": gates, "checkpoint_bytes": qr.checkpoint_bytes if qr else None,
-        "native_weight_bytes": _native_weight_bytes(weights_dir, ctx.model_dir) if qr or base_weights else None,
-        "kv_tokens": kv_tokens(s), "kv_projected": bool(s and s.kv and s.kv.plan and s.kv.plan.projected),
-        **sealed.quality_fields(verdict),
-        "tpot_p95_ms": s.latency.tpot_ms.p95 if s and s.status == "ok" and s.latency else None,
-        "built_now": False, "quantize_wall_s": qr.quantize_wall_s if qr else None,
-    }
-    row["search_pass"] = sealed.passes_search(row)  # the ladder's look, with the replication margin
-    return row
-
-
-def kv_tokens(s) -> int | None:
-    """KV tokens the engine held under the budget, or, for a variant served as dense weights, the tokens
-    its checkpoint's native weights would leave (the projected plan)."""
-    if s is None or s.kv is None:
-        return None
-    return s.kv.tokens if s.kv.tokens is not None else (s.kv.plan.tokens if s.kv.plan else None)
-
-
-def _judge(ctx, manifest: dict, v: VariantSpec, half: Split):
-    """One variant's sign-off on one half of the quality data (search or sealed)."""
-    from pipeline.stages.signoff import signoff
-
-    one = ctx.recipe.model_copy(update={"variants": (v,)})
-    results = {n: outcome.read(ctx.run_dir.variant(n)) for n in ("baseline", v.name)}
-    return signoff(one, manifest["recipe_hash"], ctx.run_dir.root, results, half).variants[0]
-
-
 def ladder_length(ranked: list[dict], modules: list[str], fallback: str) -> int:
     """The largest k worth building: parts past the one that keeps every module add nothing, and keeping
     every module unquantized is the baseline itself."""
@@ -242,7 +182,7 @@ def _candidate(ctx, manifest: dict, ranked: list[dict], modules: list[str], fall
     keep = set(kept)
     quantized = [m for m in modules if m not in keep]
     llmc = mixed.candidate_recipe(sp.base_scheme, sp.group_size, fallback, quantized, kept, ["lm_head"])
-    path = _llmc_file(llmc)
+    path = points.llmc_file(llmc)
     (ctx.run_dir.root / "search" / f"{name}.llmc.yaml").write_text(path.read_text())
     v = VariantSpec(name=name, scheme="custom", recipe=str(path))
     if name not in {x.name for x in ctx.recipe.variants}:
@@ -252,8 +192,8 @@ def _candidate(ctx, manifest: dict, ranked: list[dict], modules: list[str], fall
     ckpt = envs.home() / "checkpoints" / keys.quantize_key(ctx.recipe, v, ctx.model_id)[:24]
     built_before = (ckpt / "qe-checkpoint.json").exists()
     runner.run_stage(ctx, name)
-    verdict = _judge(ctx, manifest, v, Split("search", sp.split_seed))
-    row = row_of(ctx, name, verdict, "candidate", fallback, k, [r["part"] for r in ranked[:k]])
+    verdict = points.judge(ctx, manifest, v, Split("search", sp.split_seed))
+    row = points.row_of(ctx, name, verdict, "candidate", fallback, k, [r["part"] for r in ranked[:k]])
     row["built_now"] = not built_before and (ckpt / "qe-checkpoint.json").exists()
     short = row["verdict"] in sealed.PASSING and not row["search_pass"]
     say(name, f"search: {row['verdict']} on search data" + (", short of the replication margin" if short else "")
@@ -328,22 +268,22 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
     manifest["recipe"] = ctx.recipe.model_dump(mode="json")  # the candidates are the run's variants now
     try:
         look = Split("search", seed)
-        refs = [row_of(ctx, v.name, _judge(ctx, manifest, v, look), "reference") for v in recipe.variants]
-        twins = kv_twins(ctx, manifest, rows, recipe.search.kv_cache, look)
-        points = rows + twins + refs
-        picked = choose(points, recipe.search.objective)  # what the search data alone would answer
+        refs = [points.row_of(ctx, v.name, points.judge(ctx, manifest, v, look), "reference") for v in recipe.variants]
+        twins = points.kv_twins(ctx, manifest, rows, recipe.search.kv_cache, look)
+        pts = rows + twins + refs
+        picked = choose(pts, recipe.search.objective)  # what the search data alone would answer
         specs = {v.name: v for v in ctx.recipe.variants}
-        for r in points:  # every measured point, on the data no step above read
-            r["sealed"] = sealed.sealed_fields(_judge(ctx, manifest, specs[r["name"]], seal))
+        for r in pts:  # every measured point, on the data no step above read
+            r["sealed"] = sealed.sealed_fields(points.judge(ctx, manifest, specs[r["name"]], seal))
             r["gap"] = sealed.gap(r)
-        answer, order, stopped = sealed.confirm(points, recipe.search.objective)
-        front = sealed.frontier(points)
+        answer, order, stopped = sealed.confirm(pts, recipe.search.objective)
+        front = sealed.frontier(pts)
         summary = _answer(ctx, recipe, recipe_path, ranked, sens, rows, refs, answer)
         summary.update(search_answer=picked["name"] if picked else None, confirmation_rule=sealed.RULE,
                        margin_rule=sealed.MARGIN_RULE,
                        confirmation_order=order, stopped_at=stopped, frontier=front, split_seed=seed,
                        winners_curse=picked["gap"] if picked else None,
-                       kv_space=kv_space(rows + twins, recipe.search))
+                       kv_space=points.kv_space(rows + twins, recipe.search))
         write_json(ctx.run_dir.root / "search" / "search.json",
                    {**summary, "rows": rows + twins, "references": refs, "sensitivity": sens["rows"]})
         headline = _headline(answer, picked, stopped, len(rows))
@@ -353,43 +293,6 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
         headline = f"SEARCH: NO ANSWER (the summary failed: {summary['error']}); each candidate's verdict follows"
     runner.conclude(ctx, manifest, timings, t_run, t_epoch, extra={"search": summary}, headline=headline, split=seal)
     return 0 if answer else 1
-
-
-def kv_twins(ctx, manifest: dict, rows: list[dict], kv_cache: tuple[str, ...], look: Split) -> list[dict]:
-    """Each candidate that passed on the search data, served again with each other KV-cache precision: the
-    same checkpoint (no build), its own engine, quality and systems, judged like any candidate."""
-    twins = []
-    for kv in (x for x in kv_cache if x != "auto"):
-        for r in [r for r in rows if r["search_pass"] and r.get("kv_cache", "auto") == "auto"]:
-            base = next(v for v in ctx.recipe.variants if v.name == r["name"])
-            v = base.model_copy(update={"name": f"{r['name']}-kv{kv}", "kv_cache": kv})
-            if v.name not in {x.name for x in ctx.recipe.variants}:
-                ctx.recipe = ctx.recipe.model_copy(update={"variants": (*ctx.recipe.variants, v)})
-            say(v.name, f"search: {r['name']} with a {kv} KV cache (the same checkpoint)")
-            runner.run_stage(ctx, v.name)
-            verdict = _judge(ctx, manifest, v, look)
-            row = row_of(ctx, v.name, verdict, "candidate", r["fallback"], r["k"], r["kept"])
-            row["parent"] = r["name"]
-            say(v.name, f"search: {row['verdict']} on search data" + (f" ({row['reason']})" if row["reason"] else "")
-                + (f"; {row['kv_tokens']:,} KV tokens under the budget" if row["kv_tokens"] else ""))
-            twins.append(row)
-    return twins
-
-
-def kv_space(rows: list[dict], sp) -> dict:
-    """Per KV-cache precision in the space: how many candidates were served with it and, where none could be,
-    why (the engine's own refusal), so a capacity search that could not use it says so."""
-    out = {}
-    for kv in sp.kv_cache:
-        mine = [r for r in rows if r.get("kv_cache", "auto") == kv]
-        skipped = [r for r in mine if r["verdict"] == "SKIPPED"]
-        out[kv] = {"served": len(mine) - len(skipped), "skipped": len(skipped),
-                   "why": skipped[0]["reason"] if skipped and len(skipped) == len(mine) else None}
-    if sp.objective == "capacity" and len(sp.kv_cache) > 1 and not any(
-            out[kv]["served"] for kv in sp.kv_cache if kv != "auto"):
-        out["note"] = ("no candidate ran with another KV-cache precision here, so capacity ranked the candidates "
-                       "by their weights alone, as memory does")
-    return out
 
 
 def _headline(answer: dict | None, picked: dict | None, stopped: str | None, built: int) -> str:
