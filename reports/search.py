@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from html import escape
 
-from pipeline.search.mixed import describe_parts
+from pipeline.search.mixed import describe_modules, describe_parts
 from pipeline.search.sealed import unconfirmed
 from reports.charts import _axes, _figure
 from reports.html import fmt, in_mib, mib, table, tag
@@ -76,8 +76,8 @@ def search_section(run: Run) -> str:
     if not s or s.get("error"):
         return ""
     rows = []
-    for r in s.get("rows", []) + s.get("references", []):
-        what = ("reference" if r["kind"] == "reference" else
+    for r in s.get("rows", []) + s.get("references", []) + s.get("anchors", []):
+        what = ("reference" if r["kind"] == "reference" else _anchor_what(r) if r["kind"] == "anchor" else
                 f"k={r['k']}" + (f" at {r['fallback']}: {describe_parts(r['kept'])}"
                                  if r["k"] else " (uniform)")) + (
             f"; KV cache {r['kv_cache']}" if r.get("kv_cache", "auto") != "auto" else "")
@@ -85,6 +85,7 @@ def search_section(run: Run) -> str:
         z = r.get("sealed") or {}
         gap = r.get("gap") or {}
         mark = ("answer" if r["name"] == s.get("answer") else "confirmed" if r.get("confirmed") else
+                "compared, not chosen" if r["kind"] == "anchor" else
                 "stopped here" if r["name"] == s.get("stopped_at") else "–")
         code = fmt(z.get("code_top1_agreement"), 3) + _ci(z.get("code_top1_ci")) if z.get("code_windows") else "–"
         look = tag(r["verdict"]) + (" <span class='small'>short of the replication margin</span>"
@@ -99,7 +100,7 @@ def search_section(run: Run) -> str:
                      _signed(gap.get("accuracy_delta")), fmt(r["kl_mean"], 5),
                      mib(r["native_weight_bytes"]), mib(r["checkpoint_bytes"]), kv, fmt(r.get("tpot_p95_ms"), 1),
                      "yes" if r.get("pareto") else "–",
-                     "built" if r["built_now"] else ("cached" if r["kind"] == "candidate" else "–")])
+                     "built" if r["built_now"] else ("cached" if r["kind"] in ("candidate", "anchor") else "–")])
     note = ("<p class='small muted'>Every row is a built checkpoint, evaluated and signed off like any variant; "
             "nothing on this table is extrapolated. Weights as loaded natively: floating-point tensors in the "
             "model's own dtype, quantized tensors as stored (what a native kernel holds; where this CPU lacks "
@@ -114,6 +115,23 @@ def search_section(run: Run) -> str:
                         "KV tokens", "p95 TPOT (ms)", "Pareto", "build"], rows, left=2)
     return ("<h2>Search frontier: search data and sealed data</h2>" + _halves(s) + table_html + frontier_chart(s)
             + sensitivity_chart(s) + note)
+
+
+def _anchor_what(r: dict) -> str:
+    a = r.get("anchor") or {}
+    return (f"{a.get('label', 'anchor')} at {fmt(a.get('avg_bits_target'), 3)} bits, {a.get('matched')}'s counted "
+            f"its way: {describe_modules(r['kept'])} at {r['fallback']}")
+
+
+def _anchors(s: dict) -> str:
+    """The head-to-head: what each anchor tool was asked, and why one was not compared."""
+    runs = s.get("anchor_runs") or []
+    said = [f"{a['label']}: not compared ({a.get('skipped') or a.get('error')})" if a.get("skipped") or a.get("error")
+            else f"{a['label']} {a.get('version') or ''} chose its 8-bit layers at {fmt(a.get('avg_bits_target'), 3)} "
+                 f"bits (achieved {fmt(a.get('avg_bits_achieved'), 3)}), the average bits of {a['matched']} as it "
+                 f"counts them; its choice was built with the search's own base scheme and judged on the same halves"
+            for a in runs]
+    return f" <b>Head-to-head</b> — {escape('; '.join(said))}." if said else ""
 
 
 def _halves(s: dict) -> str:
@@ -138,7 +156,7 @@ def _halves(s: dict) -> str:
             + (f" <b>Pareto</b>: {escape(front['note'])}." if front.get("note") else
                f" <b>Pareto</b>: not beaten on every one of {escape(', '.join(front.get('axes') or ['–']))}"
                + (f" (left out, not measured for every point: {escape(', '.join(left))})" if left else "") + ".")
-            + _kv_space(s) + "</p>")
+            + _kv_space(s) + _anchors(s) + "</p>")
 
 
 def _kv_space(s: dict) -> str:
@@ -169,7 +187,7 @@ def frontier_chart(s: dict) -> str:
                                                                                         r["verdict"], False)
 
     pts = [(r["name"], in_mib(r["native_weight_bytes"]), *sealed_or_search(r))
-           for r in s.get("rows", []) + s.get("references", []) if r["native_weight_bytes"]]
+           for r in s.get("rows", []) + s.get("references", []) + s.get("anchors", []) if r["native_weight_bytes"]]
     pts = [p for p in pts if p[2] is not None]
     sealed = any(r.get("sealed") for r in s.get("rows", []))
     if not pts:

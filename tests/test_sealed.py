@@ -290,3 +290,18 @@ def test_validate_wants_drift_windows_over_two_essays_and_four_for_a_search(tmp_
     with pytest.raises(PreflightError, match=r"span 2 essay\(s\), 4 needed \(a search"):
         check_drift(recipe(4, True), tmp_path / "d.yaml", model)
     check_drift(recipe(8, True), tmp_path / "d.yaml", model)
+
+
+def test_an_anchor_is_compared_never_the_answer():
+    """An anchor's bits were matched to the search data's pick: even cheaper and passing both halves, it is on the
+    frontier and never confirmed as the answer, nor does a sealed failure of it stop the sequence."""
+    pick = row("k3", 118, "PASS", "PASS")
+    anchor = row("anchor-autoround", 117, "PASS", "PASS", kind="anchor", sealed={"top1_agreement": 0.9})
+    failing = row("anchor-autoround", 119, "PASS", "FAIL", kind="anchor")
+    assert choose([pick, anchor], "memory")["name"] == "k3"
+    answer, order, stopped = sealed.confirm([pick, anchor], "memory")
+    assert answer["name"] == "k3" and order == ["k3"] and not anchor["confirmed"]
+    assert sealed.confirm([pick, failing], "memory")[2] is None
+    pick["sealed"]["top1_agreement"] = 0.85
+    sealed.frontier([pick, anchor])
+    assert anchor["pareto"] and not pick["pareto"]  # the frontier shows what beat the search's own choice

@@ -480,3 +480,53 @@ def test_a_search_says_it_is_preparing_and_ticks_like_a_run(monkeypatch, tmp_pat
     with pytest.raises(RuntimeError, match="prepared"):
         ladder_module._search(recipe.model_copy(update={"runs_dir": str(tmp_path)}), Path("recipes/search.yaml"), True)
     assert ("run", "preparing: environments, model, data and checks") in said
+
+
+def test_anchors_are_validated_before_any_work():
+    """An anchor that is not offered says why; an anchor needs 8-bit weights among the fallbacks."""
+    from pydantic import ValidationError
+
+    from pipeline.recipe.search_section import SearchSpec
+
+    assert SearchSpec(anchors=["auto_round"], fallbacks=["unquantized", "w8a16"]).anchors == ("auto_round",)
+    with pytest.raises(ValidationError, match="anchor 'modelopt' is not offered: .*CUDA"):
+        SearchSpec(anchors=["modelopt"], fallbacks=["w8a16"])
+    with pytest.raises(ValidationError, match="need w8a16 among the fallbacks"):
+        SearchSpec(anchors=["auto_round"], fallbacks=["unquantized"])
+    with pytest.raises(ValidationError, match="listed twice"):
+        SearchSpec(anchors=["auto_round", "auto_round"], fallbacks=["w8a16"])
+
+
+def test_an_anchor_matches_only_a_mixed_pick_at_8_bits():
+    from pipeline.search.anchors import target_of
+
+    pick = {"name": "search-w8a16-k03", "kind": "candidate", "k": 3, "fallback": "w8a16"}
+    assert target_of(pick) is None
+    assert "nothing passed" in target_of(None)
+    assert "not a mixed candidate" in target_of({**pick, "k": 0})
+    assert "not a mixed candidate" in target_of({**pick, "kind": "reference", "k": None})
+    assert "unquantized" in target_of({**pick, "fallback": "unquantized"})
+
+
+def test_report_shows_the_anchor_beside_the_search_and_why_one_was_not_compared(tmp_path):
+    import json
+
+    r = minirun.recipe()
+    root = minirun.make_run(tmp_path / "run", r, {"piqa": [1, 0] * 50}, {"piqa": [1, 0] * 50})
+    (root / "search").mkdir()
+    s = _search_json("search-w8a16-k03")
+    anchor = {**s["rows"][1], "name": "anchor-autoround", "kind": "anchor", "k": None, "confirmed": False,
+              "kept": ["model.layers.3.self_attn.q_proj", "model.layers.3.self_attn.k_proj",
+                       "model.layers.29.mlp.down_proj"],
+              "sealed": {**s["rows"][1]["sealed"], "top1_agreement": 0.843, "top1_ci": [0.83, 0.85]}}
+    anchor["anchor"] = {"tool": "auto_round", "label": "auto-round AutoScheme", "matched": "search-w8a16-k03",
+                        "version": "0.15.1", "avg_bits_target": 5.4988, "avg_bits_achieved": 5.4931}
+    s["anchors"] = [anchor]
+    s["anchor_runs"] = [anchor["anchor"], {"tool": "other", "label": "Other tool", "skipped": "no bits to match"}]
+    (root / "search" / "search.json").write_text(json.dumps(s))
+    html = render_run(root).read_text()
+    assert "q_proj in block 3; k_proj in block 3; down_proj in block 29 at w8a16" in html
+    assert "compared, not chosen" in html and "0.843 [0.830, 0.850]" in html
+    assert "Head-to-head" in html and "chose its 8-bit layers at 5.499 bits (achieved 5.493)" in html
+    assert "Other tool: not compared (no bits to match)" in html
+    assert 'SEARCH ANSWER: search-w8a16-k03' in html  # the anchor is never the answer

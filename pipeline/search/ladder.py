@@ -13,6 +13,8 @@
                                        cached: widening the search reuses them), judged on the search half of
                                        the quality data with a replication margin (pipeline/search/sealed.py)
     KV twins                           search.kv_cache: each passing candidate served again with an FP8 KV cache
+    anchors                            search.anchors: another tool's layer choice at the pick's bits, built and
+                                       judged alike, compared and never the answer (pipeline/search/anchors.py)
     answer                             confirmed on the sealed half, which nothing above read (sealed.confirm);
                                        RUN/search/search.json, the report's search section, and
                                        RUN/search/chosen-recipe.yaml reproducing the answer as a variant
@@ -35,7 +37,7 @@ from pipeline.progress import say
 from pipeline.recipe.schema import Recipe, VariantSpec
 from pipeline.run import runner
 from pipeline.runstore import run_lock, write_json
-from pipeline.search import mixed, points, sealed
+from pipeline.search import anchors, mixed, points, sealed
 from pipeline.setup import envs
 from pipeline.stages import sensitivity
 from pipeline.store import keys, outcome
@@ -272,6 +274,8 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
         twins = points.kv_twins(ctx, manifest, rows, recipe.search.kv_cache, look)
         pts = rows + twins + refs
         picked = choose(pts, recipe.search.objective)  # what the search data alone would answer
+        versus, anchor_runs = _anchors(ctx, manifest, ranked, sensitivity.linear_modules(sens), picked, look)
+        pts += versus  # compared on the sealed half and the frontier, never the answer (sealed.can_answer)
         specs = {v.name: v for v in ctx.recipe.variants}
         for r in pts:  # every measured point, on the data no step above read
             r["sealed"] = sealed.sealed_fields(points.judge(ctx, manifest, specs[r["name"]], seal))
@@ -283,9 +287,9 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
                        margin_rule=sealed.MARGIN_RULE,
                        confirmation_order=order, stopped_at=stopped, frontier=front, split_seed=seed,
                        winners_curse=picked["gap"] if picked else None,
-                       kv_space=points.kv_space(rows + twins, recipe.search))
+                       kv_space=points.kv_space(rows + twins, recipe.search), anchor_runs=anchor_runs)
         write_json(ctx.run_dir.root / "search" / "search.json",
-                   {**summary, "rows": rows + twins, "references": refs, "sensitivity": sens["rows"]})
+                   {**summary, "rows": rows + twins, "references": refs, "anchors": versus, "sensitivity": sens["rows"]})
         headline = _headline(answer, picked, stopped, len(rows))
     except Exception as exc:  # noqa: BLE001 - every candidate is measured and stored: still sign them off
         answer, summary = None, {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -293,6 +297,17 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
         headline = f"SEARCH: NO ANSWER (the summary failed: {summary['error']}); each candidate's verdict follows"
     runner.conclude(ctx, manifest, timings, t_run, t_epoch, extra={"search": summary}, headline=headline, split=seal)
     return 0 if answer else 1
+
+
+def _anchors(ctx, manifest: dict, ranked, modules, picked, look) -> tuple[list[dict], list[dict]]:
+    """The anchors' rows and runs; an anchor that fails says why and leaves the search's own answer standing."""
+    try:
+        return anchors.anchor_points(ctx, manifest, ranked, modules, picked, look)
+    except Exception as exc:  # noqa: BLE001 - the candidates are measured: the comparison is extra
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {exc}"[:300]
+        say("search", f"anchors: not compared ({error})")
+        return [], [{"tool": t, "label": anchors.LABEL[t], "error": error} for t in ctx.recipe.search.anchors]
 
 
 def _headline(answer: dict | None, picked: dict | None, stopped: str | None, built: int) -> str:

@@ -59,3 +59,19 @@ def describe_parts(parts: list[str]) -> str:
     out += [f"every {k}" for k in kinds]
     out += [f"{g} in block{'s' if len(bs) > 1 else ''} {', '.join(bs)}" for g, bs in per_block.items()]
     return "; ".join(out) or "nothing"
+
+
+def describe_modules(names: list[str]) -> str:
+    """Linear layers by kind, for people: 'q_proj in blocks 0, 3; down_proj in block 29' from full module names
+    such as 'model.layers.3.self_attn.q_proj' (an anchor's choice is per layer, not per ranked part)."""
+    per_kind: dict[str, list[int]] = {}
+    for n in names:
+        parts = n.split(".")
+        block = next((int(parts[i + 1]) for i, p in enumerate(parts[:-1]) if p == "layers" and parts[i + 1].isdigit()),
+                     None)
+        per_kind.setdefault(parts[-1], []).append(block)
+    out = []
+    for kind, blocks in per_kind.items():
+        known = sorted(b for b in blocks if b is not None)
+        out.append(f"{kind} in block{'s' if len(known) > 1 else ''} {', '.join(map(str, known))}" if known else kind)
+    return "; ".join(out) or "nothing"

@@ -114,8 +114,9 @@ def cost(row: dict, objective: str) -> tuple | None:
 
 def can_answer(row: dict, objective: str) -> bool:
     """Passes the search look and has the objective's figure; a KV-cache twin only where it can buy something
-    (capacity: memory cannot tell it from its sibling, and a failing twin would stop the sequence for it)."""
-    return (passes_search(row) and cost(row, objective) is not None
+    (capacity: memory cannot tell it from its sibling, and a failing twin would stop the sequence for it); never
+    an anchor (anchors.py: its bits were matched to the search data's pick, so it is compared, not chosen)."""
+    return (passes_search(row) and cost(row, objective) is not None and row.get("kind") != "anchor"
             and (objective == "capacity" or row.get("kv_cache", "auto") == "auto"))
 
 
