@@ -130,7 +130,9 @@ def cmd_validate(args, recipe) -> int:
                  "block_kinds": "Linear kinds within blocks"}[sp.units]
         print(f"  search: {sp.base_scheme} g{sp.group_size or 'channel'}, {parts} kept at "
               f"{' then '.join(sp.fallbacks)} by measured sensitivity, objective {sp.objective}, at most "
-              f"{sp.max_builds} candidate(s); run it with `quantize-eval search {args.recipe}`")
+              f"{sp.max_builds} candidate(s)" + (f"; head-to-head with {', '.join(sp.anchors)} at the pick's bits "
+                                                   "(a build each, outside that cap)" if sp.anchors else "")
+              + f"; run it with `quantize-eval search {args.recipe}`")
     for line in preflight.power_statements(recipe):
         print("  power: " + line)
     memory = None if pending else preflight.budget_statement(recipe, _model_dir(recipe))

@@ -177,6 +177,12 @@ def test_cli_exits_2_naming_the_field(tmp_path):
     for cmd in ("search", "validate"):
         proc = cli(cmd, str(bad))
         assert proc.returncode == 2 and "search.max_builds" in proc.stderr and proc.stderr.count("\n") == 1
+    d = yaml.safe_load((ROOT / "recipes" / "search.yaml").read_text())
+    d["search"]["anchors"] = ["modelopt"]
+    (tmp_path / "mo.yaml").write_text(yaml.safe_dump(d))
+    proc = cli("validate", str(tmp_path / "mo.yaml"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "search.anchors" in proc.stderr and "'modelopt' is not offered" in proc.stderr
     proc = cli("search", str(ROOT / "recipes" / "awq.yaml"))
     assert proc.returncode == 2 and "search: this recipe has no search section" in proc.stderr
     d = yaml.safe_load((ROOT / "recipes" / "search.yaml").read_text())
