@@ -24,6 +24,8 @@ def search_banner(run: Run) -> str:
     if s.get("error"):
         return (f'<div class="banner FAIL">SEARCH: NO ANSWER — the search failed: {escape(s["error"])}. '
                 "The variants it measured before that are signed off below.</div>")
+    if s.get("unmeasured"):  # the objective's own figure could not be measured here: no answer either way
+        return f'<div class="banner UNVERIFIED">{escape(s["unmeasured"])}</div>'
     rows = {r["name"]: r for r in s.get("rows", []) + s.get("references", [])}
     answer = rows.get(s.get("answer") or "")
     picked = rows.get(s.get("search_answer") or "")
@@ -67,6 +69,10 @@ def _ci(pair) -> str:
     return f" [{fmt(pair[0], 3)}, {fmt(pair[1], 3)}]" if pair else ""
 
 
+def _ci1(pair) -> str:
+    return f" [{fmt(pair[0], 1)}, {fmt(pair[1], 1)}]" if pair else ""
+
+
 def _signed(x) -> str:
     return "–" if x is None else f"{x:+.3f}"
 
@@ -98,7 +104,8 @@ def search_section(run: Run) -> str:
                      fmt(r["accuracy_delta"], 3) + _ci(r.get("accuracy_delta_ci")),
                      fmt(z.get("accuracy_delta"), 3) + _ci(z.get("accuracy_delta_ci")),
                      _signed(gap.get("accuracy_delta")), fmt(r["kl_mean"], 5),
-                     mib(r["native_weight_bytes"]), mib(r["checkpoint_bytes"]), kv, fmt(r.get("tpot_p95_ms"), 1),
+                     mib(r["native_weight_bytes"]), mib(r["checkpoint_bytes"]), kv,
+                     fmt(r.get("tpot_p95_ms"), 1) + _ci1(r.get("tpot_p95_ci")),
                      "yes" if r.get("pareto") else "–",
                      "built" if r["built_now"] else ("cached" if r["kind"] in ("candidate", "anchor") else "–")])
     note = ("<p class='small muted'>Every row is a built checkpoint, evaluated and signed off like any variant; "
@@ -112,7 +119,7 @@ def search_section(run: Run) -> str:
     table_html = table(["candidate", "keeps", "search verdict", "sealed verdict", "confirmation", "search top-1 [CI]",
                         "sealed top-1 [CI]", "sealed top-1, code [CI]", "top-1 gap", "search Δ accuracy [CI]",
                         "sealed Δ accuracy [CI]", "Δ accuracy gap", "search KL", "weights (native)", "checkpoint",
-                        "KV tokens", "p95 TPOT (ms)", "Pareto", "build"], rows, left=2)
+                        "KV tokens", "p95 TPOT (ms) [CI over repeats]", "Pareto", "build"], rows, left=2)
     return ("<h2>Search frontier: search data and sealed data</h2>" + _halves(s) + table_html + frontier_chart(s)
             + sensitivity_chart(s) + note)
 

@@ -305,3 +305,33 @@ def test_an_anchor_is_compared_never_the_answer():
     pick["sealed"]["top1_agreement"] = 0.85
     sealed.frontier([pick, anchor])
     assert anchor["pareto"] and not pick["pareto"]  # the frontier shows what beat the search's own choice
+
+
+def test_latency_ranks_on_the_conservative_end_of_each_interval():
+    """The latency objective reads p95 TPOT as a latency gate does, at the upper end of its interval over repeats:
+    a lucky point estimate with a wide interval is not called faster; a candidate never timed cannot answer."""
+    lucky = row("lucky", 118, "PASS", "PASS", tpot_p95_ms=30.0, tpot_p95_ci=[24.0, 45.0])
+    steady = row("steady", 120, "PASS", "PASS", tpot_p95_ms=33.0, tpot_p95_ci=[32.0, 34.0])
+    untimed = row("untimed", 100, "PASS", "PASS", tpot_p95_ms=None)
+    assert choose([lucky, steady, untimed], "latency")["name"] == "steady"
+    answer, order, _ = sealed.confirm([lucky, steady, untimed], "latency")
+    assert answer["name"] == "steady" and order == ["lucky", "steady"]
+    one_run = row("one-run", 118, "PASS", "PASS", tpot_p95_ms=31.0)  # no repeats: the point is all there is
+    assert sealed.cost(one_run, "latency") == (31.0, 118)
+    twin = row("steady-kvfp8", 120, "PASS", "PASS", kv_cache="fp8", tpot_p95_ms=30.0, tpot_p95_ci=[29.0, 31.0])
+    assert choose([steady, twin], "latency")["name"] == "steady-kvfp8"  # a twin can buy latency
+
+
+def test_a_points_p95_tpot_carries_its_interval_over_repeats(tmp_path):
+    """The row a latency search ranks: p95 TPOT from the repeats (their geometric mean and 95% t interval, as a
+    latency gate reads it); without repeats, the figure over all requests and no interval."""
+    from pipeline.search.points import _tpot_p95
+
+    r = minirun.recipe()
+    root = minirun.make_run(tmp_path / "run", r, {"piqa": [1, 0] * 50}, {"piqa": [1, 0] * 50})
+    s = minirun.load_results(root)["v4"]["systems"]
+    assert _tpot_p95(s)["tpot_p95_ci"] is None and _tpot_p95(s)["tpot_p95_ms"] == s.latency.tpot_ms.p95
+    s.latency.repeats = [{"tpot_p50": 30.0, "tpot_p95": x, "tpot_p99": 50.0} for x in (40.0, 42.0, 44.0)]
+    got = _tpot_p95(s)
+    assert got["tpot_p95_ms"] == pytest.approx(41.97, abs=0.01) and got["tpot_p95_ci"][0] < 40 < 44 < got["tpot_p95_ci"][1]
+    assert _tpot_p95(None) == {"tpot_p95_ms": None, "tpot_p95_ci": None}

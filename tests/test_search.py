@@ -536,3 +536,31 @@ def test_report_shows_the_anchor_beside_the_search_and_why_one_was_not_compared(
     assert "Head-to-head" in html and "chose its 8-bit layers at 5.499 bits (achieved 5.493)" in html
     assert "Other tool: not compared (no bits to match)" in html
     assert 'SEARCH ANSWER: search-w8a16-k03' in html  # the anchor is never the answer
+
+
+def test_a_latency_search_stops_where_no_candidate_can_be_timed_and_says_so(tmp_path):
+    """Served as dense weights (no native kernel here), a candidate has no p95 TPOT: a latency search cannot be
+    answered by any build, so it stops after the uniform candidate and says UNVERIFIED, not NONE PASSED; where
+    candidates are timed it climbs as any search does."""
+    import json
+
+    from pipeline.search.ladder import unmeasured
+
+    calls: list = []
+    untimed = oracle(7, calls)
+    rows = ladder(SearchSpec(max_builds=6, objective="latency"), ranked(30), 0.85,
+                  lambda f, k: {**untimed(f, k), "tpot_p95_ms": None})
+    assert calls == [("w8a16", 0)] and len(rows) == 1
+    sp = SearchSpec(objective="latency")
+    assert unmeasured(rows, sp).startswith("SEARCH: UNVERIFIED — objective latency needs p95 TPOT")
+    assert unmeasured(rows, SearchSpec(objective="memory")) is None
+    timed = oracle(7, calls := [])
+    rows = ladder(SearchSpec(max_builds=6, objective="latency"), ranked(30), 0.85,
+                  lambda f, k: {**timed(f, k), "tpot_p95_ms": 40.0 - k / 10})
+    assert len(calls) > 1 and unmeasured(rows, sp) is None
+    r = minirun.recipe()
+    root = minirun.make_run(tmp_path / "run", r, {"piqa": [1, 0] * 50}, {"piqa": [1, 0] * 50})
+    (root / "search").mkdir()
+    s = {**_search_json(None), "objective": "latency", "unmeasured": unmeasured([{"tpot_p95_ms": None}], sp)}
+    (root / "search" / "search.json").write_text(json.dumps(s))
+    assert 'class="banner UNVERIFIED">SEARCH: UNVERIFIED — objective latency' in render_run(root).read_text()

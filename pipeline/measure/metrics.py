@@ -178,18 +178,22 @@ _ACROSS = ("ratio over engine starts ({} variant, {} baseline), each start's rep
            "start-to-start spread is in the interval")
 
 
+def latency_ms(s: SystemsResult, kind: str, pct: str) -> Measured:
+    """One served variant's absolute latency percentile: with repeats, their geometric mean and 95% t interval
+    (what an absolute latency gate is judged on, and what a latency search ranks by); else the figure over all
+    requests, without an interval."""
+    rv = _repeat_values(s, kind, pct)
+    if len(rv) > 1 and min(rv) > 0:
+        gm, lo, hi = stats.mean_ci_log(rv)
+        return Measured(value=gm, ci_low=lo, ci_high=hi, interval="repeats", n=len(rv), n_of="workload.repeats",
+                        caveat=f"the repeats' geometric means; {_WITHIN_ONE}")
+    return Measured(value=getattr(getattr(s.latency, f"{kind}_ms"), pct))
+
+
 def _latency_ms(kind: str, pct: str) -> Callable[[Inputs, str], Measured]:
     def read(inp: Inputs, scope: str) -> Measured:
         both = _served(inp)
-        if both is None:
-            return NONE
-        rv = _repeat_values(both[0], kind, pct)
-        value = getattr(getattr(both[0].latency, f"{kind}_ms"), pct)
-        if len(rv) > 1 and min(rv) > 0:
-            gm, lo, hi = stats.mean_ci_log(rv)
-            return Measured(value=gm, ci_low=lo, ci_high=hi, interval="repeats", n=len(rv), n_of="workload.repeats",
-                            caveat=f"the repeats' geometric means; {_WITHIN_ONE}")
-        return Measured(value=value)
+        return NONE if both is None else latency_ms(both[0], kind, pct)
     return read
 
 

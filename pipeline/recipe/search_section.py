@@ -63,9 +63,12 @@ class SearchSpec(Strict):
         "kinds within each block (q/k/v of block 11, down_proj of block 29: four times the parts to measure, "
         "and the bytes go where the drift is). Each part is ranked by its measured sensitivity per weight it "
         "would keep; parts that overlap count once.")
-    objective: Literal["memory", "capacity"] = Field(
+    objective: Literal["memory", "capacity", "latency"] = Field(
         "memory", description="memory: the smallest weights as loaded (as a native kernel holds them, in "
-        "the model's dtype); capacity: the most KV tokens under engine.memory_budget_gib.")
+        "the model's dtype); capacity: the most KV tokens under engine.memory_budget_gib; latency: the lowest "
+        "p95 TPOT of the workload's cell, at the upper end of its 95% interval over workload.repeats (as a latency "
+        "gate reads it), measured only where the engine runs the candidates' kernels natively: where it serves "
+        "them as dense weights the search stops after the uniform candidate and says so.")
     max_builds: int = Field(6, ge=1, le=64, description="Cap on candidate checkpoints built (the uniform base "
                             "scheme counts as one); the search stops there and reports the best that passed.")
     kv_cache: tuple[Literal["auto", "fp8"], ...] = Field(

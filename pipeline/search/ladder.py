@@ -239,6 +239,8 @@ def ladder(sp, ranked: list[dict], top1_floor: float | None, build, length=None,
                 return rows
             tried[k], measured[k] = sealed.passes_search(row), row
             uniform = row if k == 0 else uniform
+            if sp.objective == "latency" and row.get("tpot_p95_ms") is None:  # served as dense weights here: no
+                return rows  # candidate's latency can be measured, so no build can answer (unmeasured() says so)
         if any(tried.values()) or len(rows) >= sp.max_builds:
             break
     return rows
@@ -290,7 +292,8 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
                        kv_space=points.kv_space(rows + twins, recipe.search), anchor_runs=anchor_runs)
         write_json(ctx.run_dir.root / "search" / "search.json",
                    {**summary, "rows": rows + twins, "references": refs, "anchors": versus, "sensitivity": sens["rows"]})
-        headline = _headline(answer, picked, stopped, len(rows))
+        headline = unmeasured(rows, recipe.search) or _headline(answer, picked, stopped, len(rows))
+        summary["unmeasured"] = unmeasured(rows, recipe.search)
     except Exception as exc:  # noqa: BLE001 - every candidate is measured and stored: still sign them off
         answer, summary = None, {"error": f"{type(exc).__name__}: {exc}"[:300]}
         write_json(ctx.run_dir.root / "search" / "search.json", {**summary, "answer": None})  # the page's banner
@@ -308,6 +311,16 @@ def _anchors(ctx, manifest: dict, ranked, modules, picked, look) -> tuple[list[d
         error = f"{type(exc).__name__}: {exc}"[:300]
         say("search", f"anchors: not compared ({error})")
         return [], [{"tool": t, "label": anchors.LABEL[t], "error": error} for t in ctx.recipe.search.anchors]
+
+
+def unmeasured(rows: list[dict], sp) -> str | None:
+    """The headline where the objective's own figure could not be measured for any candidate, so no answer could
+    be given however the quality came out: latency, where the candidates were served as dense weights."""
+    if sp.objective != "latency" or not rows or any(r.get("tpot_p95_ms") is not None for r in rows):
+        return None
+    return (f"SEARCH: UNVERIFIED — objective latency needs p95 TPOT, and none of the {len(rows)} candidate(s) could "
+            "be timed here: the engine served them as dense weights (no native kernel for the base scheme on this "
+            "host), so the search stopped; run it where the kernel is native")
 
 
 def _headline(answer: dict | None, picked: dict | None, stopped: str | None, built: int) -> str:

@@ -104,9 +104,15 @@ def gap(row: dict) -> dict:
 
 def cost(row: dict, objective: str) -> tuple | None:
     """What the objective minimises, in order: memory, the weights as loaded natively; capacity, minus the KV
-    tokens under the budget (then the weights)."""
+    tokens under the budget (then the weights); latency, p95 TPOT at the conservative end of its 95% interval
+    over repeats, the bound a latency gate is judged on (then the weights): a candidate is not called faster on
+    the luck of one run. None where the objective's figure was not measured."""
     if row.get("native_weight_bytes") is None:
         return None
+    if objective == "latency":
+        if row.get("tpot_p95_ms") is None:
+            return None
+        return ((row.get("tpot_p95_ci") or [None, row["tpot_p95_ms"]])[1], row["native_weight_bytes"])
     if objective == "capacity":
         return (-row["kv_tokens"], row["native_weight_bytes"]) if row.get("kv_tokens") is not None else None
     return (row["native_weight_bytes"],)
@@ -114,10 +120,11 @@ def cost(row: dict, objective: str) -> tuple | None:
 
 def can_answer(row: dict, objective: str) -> bool:
     """Passes the search look and has the objective's figure; a KV-cache twin only where it can buy something
-    (capacity: memory cannot tell it from its sibling, and a failing twin would stop the sequence for it); never
+    (capacity or latency: memory cannot tell it from its sibling, and a failing twin would stop the sequence for
+    it); never
     an anchor (anchors.py: its bits were matched to the search data's pick, so it is compared, not chosen)."""
     return (passes_search(row) and cost(row, objective) is not None and row.get("kind") != "anchor"
-            and (objective == "capacity" or row.get("kv_cache", "auto") == "auto"))
+            and (objective != "memory" or row.get("kv_cache", "auto") == "auto"))
 
 
 def confirm(rows: list[dict], objective: str) -> tuple[dict | None, list[str], str | None]:

@@ -186,7 +186,7 @@ def measure_cell(server: Engine, stream: PromptStream, w, prompt_tokens: int, ou
             wall += secs
             one = loadgen.summarize(recs, secs)
             repeats.append({"start": 0, **{f"{k}_{q}": one[f"{k}_ms"][q] for k in ("ttft", "tpot")
-                                           for q in ("p50", "p99")}})
+                                           for q in ("p50", "p95", "p99")}})
     latency = loadgen.summarize(records, wall, w.slo_ttft_ms, w.slo_tpot_ms, w.cost_per_hour_usd)
     p50s = [r["tpot_p50"] for r in repeats if r["tpot_p50"] is not None]
     latency["repeats"] = repeats
