@@ -257,7 +257,8 @@ def test_kv_capacity_matches_engine_and_config(run):
     lat = s["latency"]
     assert lat["completed"] == 2 * 4 and lat["failed"] == 0 and lat["timed_out"] == 0  # 2 repeats of 4
     assert lat["output_tokens"] == 2 * 4 * 8
-    assert len(lat["repeats"]) == 2 and all(r["tpot_p50"] > 0 and r["tpot_p95"] >= r["tpot_p50"] for r in lat["repeats"])  # each repeat's own figures
+    # each repeat's own figures (p95 too: a latency search ranks on its interval over repeats)
+    assert len(lat["repeats"]) == 2 and all(0 < r["tpot_p50"] <= r["tpot_p95"] for r in lat["repeats"])
     assert 0 < lat["ttft_ms"]["p50"] <= lat["e2e_ms"]["p50"] and lat["tpot_ms"]["p50"] > 0
     assert s["peak_memory_bytes"] > 100 * 2**20
     cells = s["cells"]
