@@ -178,11 +178,11 @@ def test_cli_exits_2_naming_the_field(tmp_path):
         proc = cli(cmd, str(bad))
         assert proc.returncode == 2 and "search.max_builds" in proc.stderr and proc.stderr.count("\n") == 1
     d = yaml.safe_load((ROOT / "recipes" / "search.yaml").read_text())
-    d["search"]["anchors"] = ["modelopt"]
+    d["search"]["anchors"] = ["nvfp4"]
     (tmp_path / "mo.yaml").write_text(yaml.safe_dump(d))
     proc = cli("validate", str(tmp_path / "mo.yaml"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "search.anchors" in proc.stderr and "'modelopt' is not offered" in proc.stderr
+    assert "search.anchors" in proc.stderr and "'auto_round' or 'modelopt'" in proc.stderr
     proc = cli("search", str(ROOT / "recipes" / "awq.yaml"))
     assert proc.returncode == 2 and "search: this recipe has no search section" in proc.stderr
     d = yaml.safe_load((ROOT / "recipes" / "search.yaml").read_text())
@@ -489,14 +489,15 @@ def test_a_search_says_it_is_preparing_and_ticks_like_a_run(monkeypatch, tmp_pat
 
 
 def test_anchors_are_validated_before_any_work():
-    """An anchor that is not offered says why; an anchor needs 8-bit weights among the fallbacks."""
+    """An anchor the pipeline does not know is named; an anchor needs 8-bit weights among the fallbacks."""
     from pydantic import ValidationError
 
     from pipeline.recipe.search_section import SearchSpec
 
-    assert SearchSpec(anchors=["auto_round"], fallbacks=["unquantized", "w8a16"]).anchors == ("auto_round",)
-    with pytest.raises(ValidationError, match="anchor 'modelopt' is not offered: .*CUDA"):
-        SearchSpec(anchors=["modelopt"], fallbacks=["w8a16"])
+    assert SearchSpec(anchors=["auto_round", "modelopt"], fallbacks=["unquantized", "w8a16"]).anchors == (
+        "auto_round", "modelopt")
+    with pytest.raises(ValidationError, match="'auto_round' or 'modelopt'"):
+        SearchSpec(anchors=["nvfp4"], fallbacks=["w8a16"])
     with pytest.raises(ValidationError, match="need w8a16 among the fallbacks"):
         SearchSpec(anchors=["auto_round"], fallbacks=["unquantized"])
     with pytest.raises(ValidationError, match="listed twice"):

@@ -143,7 +143,7 @@ def searched(tmp_path_factory):
     first_json = json.loads((run_dir / "search" / "search.json").read_text())
     recipe["search"]["max_builds"] = 3  # widen: the two built candidates are reused
     recipe["search"]["kv_cache"] = ["auto", "fp8"]  # and serve the passing ones with an FP8 KV cache too
-    recipe["search"]["anchors"] = ["auto_round"]  # and build auto-round's choice at the pick's bits
+    recipe["search"]["anchors"] = ["auto_round", "modelopt"]  # and build each tool's choice at the pick's bits
     path.write_text(yaml.safe_dump(recipe))
     second = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env, timeout=1800)
     return {"first": first, "first_json": first_json, "second": second, "dir": run_dir,
@@ -273,18 +273,21 @@ def test_validate_checks_the_sensitivity_windows_against_the_corpus(tmp_path):
         "signs its answer off on essays it never read" in proc.stderr
 
 
-def test_auto_round_chooses_at_the_picks_bits_and_is_judged_like_a_candidate(searched):
-    """The head-to-head: auto-round's AutoScheme, given the pick's own bits (counted its way), chooses which layers
-    get 8-bit weights; that choice is built by the search's own base scheme and judged on both halves, beside the
-    search's answer and never as it."""
+@pytest.mark.parametrize("tool,version", [("auto_round", "0.15.1"), ("modelopt", "0.47.0")])
+def test_an_anchor_chooses_at_the_picks_bits_and_is_judged_like_a_candidate(searched, tool, version):
+    """The head-to-head: auto-round's AutoScheme and ModelOpt's auto_quantize (installed on first use), each given
+    the pick's own bits (counted its way), choose which layers get 8-bit weights; each choice is built by the
+    search's own base scheme and judged on both halves, beside the search's answer and never as it."""
     s, run = searched["json"], searched["dir"]
-    (a,) = s["anchors"]
-    (info,) = s["anchor_runs"]
+    assert [r["tool"] for r in s["anchor_runs"]] == ["auto_round", "modelopt"]
+    info = next(r for r in s["anchor_runs"] if r["tool"] == tool)
+    a = next(r for r in s["anchors"] if r["anchor"]["tool"] == tool)
     pick = next(r for r in s["rows"] if r["name"] == s["search_answer"])
     assert a["kind"] == "anchor" and a["anchor"] == info and info["matched"] == pick["name"] and pick["k"]
-    assert info["version"] == "0.15.1" and info["range"][0] <= info["avg_bits_achieved"] <= info["avg_bits_target"]
+    assert info["version"] == version and info["range"][0] <= info["avg_bits_achieved"] <= info["avg_bits_target"]
     assert info["avg_bits_target"] > info["range"][0]  # the pick keeps some parts at 8 bits
     kept = set(a["kept"])
+    assert kept and len(kept) < 28  # a choice: some of the tiny model's 28 decoder Linears, not all
     for name in kept:  # vLLM's fused Linears (q/k/v, gate/up) are chosen whole
         parent, kind = name.rsplit(".", 1)
         group = next((g for g in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")) if kind in g), (kind,))
@@ -295,4 +298,4 @@ def test_auto_round_chooses_at_the_picks_bits_and_is_judged_like_a_candidate(sea
     assert a["sealed"]["verdict"] in ("PASS", "WARN", "FAIL", "INCONCLUSIVE") and a["sealed"]["code_windows"] == 2
     assert s["answer"] != a["name"] and not a["confirmed"] and a["name"] not in s["confirmation_order"]
     html = (run / "report.html").read_text()
-    assert "Head-to-head" in html and "auto-round AutoScheme" in html and "compared, not chosen" in html
+    assert "Head-to-head" in html and info["label"] in html and "compared, not chosen" in html

@@ -18,11 +18,7 @@ BASE_SCHEMES = ("awq_w4a16", "gptq_w4a16", "rtn_w4a16")
 # the mixed checkpoint is served as dense weights, which would drop its activation quantization.
 FALLBACKS = ("w8a16", "unquantized")
 FALLBACK_BITS = {"w8a16": 8, "unquantized": 16}
-ANCHORS = ("auto_round",)
-# anchors a recipe may name that this pipeline does not run, and why (validate says so, not the run)
-NOT_HERE = {"modelopt": "NVIDIA ModelOpt's auto_quantize is not wired in: its package and what its search needs "
-                        "(omegaconf, pulp, scipy, ninja) are not in the quantize environment, whose pins llm-compressor "
-                        "sets, and its NVFP4 formats need CUDA"}
+ANCHORS = ("auto_round", "modelopt")
 
 
 def group_size_rule(v: int | None) -> int | None:
@@ -84,8 +80,9 @@ class SearchSpec(Strict):
         (), description="Head-to-head: after the ladder, each anchor tool chooses which decoder Linear layers get "
         "8-bit weights at the same average bits as the search data's pick (counted the tool's own way), and that "
         "choice is built by the search's own base scheme and judged through the same halves and gates. Compared, "
-        "never the answer; a build each, outside max_builds. auto_round: Intel auto-round's AutoScheme, in the "
-        "quantize environment. " + "; ".join(f"{k}: {v}" for k, v in NOT_HERE.items()) + ".")
+        "never the answer; a build each, outside max_builds. auto_round: Intel auto-round's AutoScheme (in the "
+        "quantize environment); modelopt: NVIDIA ModelOpt's auto_quantize with its INT4 AWQ and INT8 weight-only "
+        "formats (installed into the quantize environment on first use; its NVFP4 formats need CUDA).")
     sensitivity: SensitivitySpec = SensitivitySpec()
 
     @model_validator(mode="after")
@@ -108,14 +105,6 @@ class SearchSpec(Strict):
                 raise ValueError(f"unknown fallback {f!r}; one of {', '.join(FALLBACKS)}")
         if len(set(v)) != len(v):
             raise ValueError("a fallback is listed twice")
-        return v
-
-    @field_validator("anchors", mode="before")
-    @classmethod
-    def _anchors_here(cls, v):
-        for a in v if isinstance(v, list | tuple) else ():
-            if a in NOT_HERE:
-                raise ValueError(f"anchor {a!r} is not offered: {NOT_HERE[a]}")
         return v
 
     @model_validator(mode="after")

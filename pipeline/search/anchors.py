@@ -32,7 +32,8 @@ from pipeline.store import keys, outcome
 from pipeline.store.outcome import Spent
 
 WORKER = keys.PIPELINE / "engines" / "workers" / "anchor_worker.py"
-LABEL = {"auto_round": "auto-round AutoScheme"}
+LABEL = {"auto_round": "auto-round AutoScheme", "modelopt": "ModelOpt auto_quantize"}
+EXTRA = {"modelopt": "modelopt"}  # installed into the quantize environment on first use (requirements/extra-*.txt)
 # vLLM serves q/k/v as one fused Linear and gate/up as another: a layer choice that splits either cannot load
 SHARED = [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]]
 
@@ -57,8 +58,10 @@ def cache_key(spec: dict, model_id: str) -> str:
     what = {k: v for k, v in spec.items() if k not in ("model_dir", "calibration")}
     what["calibration"] = {**{k: v for k, v in spec["calibration"].items() if k != "calibration_file"},
                            "sha256": sha256_file(Path(spec["calibration"]["calibration_file"]))}
+    extra = EXTRA.get(spec["tool"])
     return hash_obj({"model": model_id, **what, "code": keys.source_hash(WORKER),
-                     "quantize_env": envs.requirements_file("quantize").read_text()})
+                     "quantize_env": envs.requirements_file("quantize").read_text(),
+                     "extra": (envs.REQUIREMENTS / f"extra-{extra}.txt").read_text() if extra else None})
 
 
 def choose_layers(ctx, spec: dict, spent: Spent) -> dict:
@@ -67,6 +70,8 @@ def choose_layers(ctx, spec: dict, spent: Spent) -> dict:
     cache = envs.home() / "results" / "anchors" / f"{cache_key(spec, ctx.model_id)[:32]}.json"
     if not cache.exists():
         tool = spec["tool"]
+        if tool in EXTRA:
+            envs.ensure_extra(EXTRA[tool], python=envs.ensure("quantize"), no_deps=True)
         (out_dir / f"anchor-{tool}-spec.json").write_text(json.dumps(spec))
         tmp = out_dir / f"anchor-{tool}-worker.json"
         tmp.unlink(missing_ok=True)

@@ -159,25 +159,28 @@ def ensure(kind: str) -> Path:
     return target / "bin" / "python"
 
 
-def ensure_extra(name: str) -> None:
-    """Install an optional extra (requirements/extra-NAME.txt) into the running engine environment,
-    once; the environment's key does not change, so the default install never pays for it."""
+def ensure_extra(name: str, python: Path | None = None, no_deps: bool = False) -> None:
+    """Install an optional extra (requirements/extra-NAME.txt) into the running engine environment, or into
+    the environment of `python`, once; the environment's key does not change, so the default install never
+    pays for it. no_deps: exactly the listed packages, so the environment's own pins cannot move."""
     req = REQUIREMENTS / f"extra-{name}.txt"
-    marker = Path(sys.prefix) / f".qe-extra-{name}"
+    prefix = Path(python).parent.parent if python else Path(sys.prefix)
+    marker = prefix / f".qe-extra-{name}"
     if marker.exists() and marker.read_text() == req.read_text():
         return
-    with open(Path(sys.prefix) / f".qe-extra-{name}.lock", "w") as lock:
+    with open(prefix / f".qe-extra-{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if marker.exists() and marker.read_text() == req.read_text():
             return
-        print(f"[setup] installing the optional {name} extra into {sys.prefix} (first use)", file=sys.stderr,
+        print(f"[setup] installing the optional {name} extra into {prefix} (first use)", file=sys.stderr,
               flush=True)
         from pipeline.setup.installer import Installer
 
-        logpath = Path(sys.prefix) / f".qe-extra-{name}.log"
+        logpath = prefix / f".qe-extra-{name}.log"
         with open(logpath, "w") as log:
             try:
-                Installer(home() / "tools", log).install(sys.executable, ["-q", "-r", str(req)])
+                Installer(home() / "tools", log).install(str(python or sys.executable),
+                                                         ["-q", *(["--no-deps"] if no_deps else []), "-r", str(req)])
             except RuntimeError:
                 tail = logpath.read_text(errors="replace").strip().splitlines()[-3:]
                 raise SystemExit(f"[setup] the {name} extra failed to install: " + " | ".join(tail)[-500:]) from None

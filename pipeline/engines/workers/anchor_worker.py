@@ -3,6 +3,8 @@ choice (the search data's pick), counted the tool's own way. Runs under the *qua
 
     <quantize-env>/bin/python -m pipeline.engines.workers.anchor_worker SPEC.json RESULT.json
 
+Each tool is given the search's own question and calibration texts; only its choice is taken.
+
 tool auto_round: Intel auto-round's AutoScheme, only its scoring and selection (GenScheme.get_layer_config),
 not its tuning or export: the search builds the choice itself, so only the choice is compared. Its options are
 the search's own two widths (the base scheme's bits, symmetry and group size; 8-bit symmetric per output
@@ -13,6 +15,9 @@ among the layers it is given, so they are neither chosen nor counted, as in the 
 auto-round counts bits per weight over the layers it is given, scales and zero points included
 (auto_scheme/utils.py compute_avg_bits_for_scheme), and chooses the lowest-loss assignment at or under the
 target. The target here is the pick's own bits by that count, so both sides spend the same budget.
+
+tool modelopt: NVIDIA ModelOpt's auto_quantize (modelopt_choice; installed into this environment on first use,
+requirements/extra-modelopt.txt), counted its own way: the formats' bits per weight, without scales.
 
 Calibration: auto-round drops texts shorter than its sequence length, so the first `num_samples` calibration
 texts at least `max_seq_len` tokens long are given to it. Its on-disk score cache is keyed by folder and file
@@ -109,17 +114,86 @@ def auto_round_choice(spec: dict, threads: int) -> dict:
             "calibration_texts": n}
 
 
+def _calibration_batches(spec: dict, tok, batch: int = 4) -> list:
+    """The calibration texts auto-round would take (calibration()), as token batches of max_seq_len."""
+    import torch
+
+    c = spec["calibration"]
+    rows = []
+    with open(c["calibration_file"]) as f:
+        for line in f:
+            ids = tok(json.loads(line)["text"], return_tensors="pt")["input_ids"] if line.strip() else None
+            if ids is not None and ids.shape[1] >= c["max_seq_len"]:
+                rows.append(ids[:, :c["max_seq_len"]])
+            if len(rows) >= c["num_samples"]:
+                break
+    if not rows:
+        raise SystemExit(f"anchor: no calibration text has {c['max_seq_len']} tokens (calibration.max_seq_len)")
+    return [torch.cat(rows[i:i + batch]) for i in range(0, len(rows), batch)]
+
+
+def modelopt_choice(spec: dict, threads: int) -> dict:
+    """ModelOpt's auto_quantize (gradient scores) between its INT4 AWQ recipe at the search's group size and its
+    INT8 weight-only per channel, decoder Linears only (no unquantized option), lm_head neither chosen nor
+    counted. ModelOpt counts bits as the formats' num_bits per weight, without scales, so the target is the
+    pick's plain 4/8-bit average. Its INT4 is symmetric (it has no zero point; its per-group bias cannot be
+    combined with AWQ in this version): only the layer choice is taken, the search's own scheme builds it."""
+    import copy
+
+    import modelopt
+    import modelopt.torch.quantization as mtq
+    import torch
+    from modelopt.torch.quantization.algorithms import QuantRecipe
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(spec.get("seed", 0))
+    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).eval()
+    wanted = set(spec["modules"])
+    numel = {n: m.weight.numel() for n, m in model.named_modules() if n in wanted}
+    if len(numel) != len(wanted):
+        raise SystemExit(f"anchor: the model has no Linear {sorted(wanted - set(numel))[0]!r}")
+    eight_in = set(spec["eight_bit"])
+    target = sum((8 if n in eight_in else spec["bits"]) * k for n, k in numel.items()) / sum(numel.values())
+    w4 = copy.deepcopy(mtq.INT4_AWQ_CFG)
+    for e in w4["quant_cfg"]:
+        if e.get("quantizer_name") == "*weight_quantizer" and e.get("cfg"):
+            e["cfg"]["block_sizes"] = {-1: spec["group_size"] or None, "type": "static"}
+    w8 = copy.deepcopy(mtq.INT8_WEIGHT_ONLY_CFG)
+    batches = _calibration_batches(spec, tok)
+    prefixes = sorted({n.split(".layers.")[0] + ".layers.*" for n in numel})
+    model, state = mtq.auto_quantize(
+        model, constraints={"effective_bits": target, "cost": {"excluded_module_name_patterns": ["*lm_head*"]}},
+        quantization_formats=[w4, w8],
+        module_search_spaces=[{"module_name_patterns": prefixes, "quantization_formats": [w4, w8],
+                               "allow_no_quant": False}],
+        disabled_layers=["*lm_head*"], data_loader=batches,
+        forward_step=lambda m, b: m(input_ids=b, labels=b), loss_func=lambda out, b: out.loss,
+        # AWQ formats calibrate on num_calib_steps // 4 batches (its algorithms.py): 4x, so AWQ sees them all
+        num_calib_steps=4 * len(batches), num_score_steps=len(batches), method="gradient", verbose=False)
+    r8 = QuantRecipe(w8, name="W8")
+    eight = sorted(n for hp, recipe in state["best"]["recipe"].items() if recipe == r8
+                   for n in state["candidate_stats"][hp]["module_names"])
+    if not set(eight) <= wanted:
+        raise SystemExit("anchor: ModelOpt chose 8 bits outside the decoder Linears")
+    achieved = sum((8 if n in set(eight) else spec["bits"]) * k for n, k in numel.items()) / sum(numel.values())
+    return {"tool": "modelopt", "version": modelopt.__version__, "avg_bits_target": target,
+            "avg_bits_achieved": achieved, "range": [float(spec["bits"]), 8.0], "eight_bit": eight,
+            "calibration_texts": sum(len(b) for b in batches)}
+
+
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     threads = int(spec.get("threads") or os.cpu_count() or 1)
     _quiet_knobs(threads)
     t0 = time.time()
-    if spec["tool"] != "auto_round":
+    choose = {"auto_round": auto_round_choice, "modelopt": modelopt_choice}.get(spec["tool"])
+    if choose is None:
         raise SystemExit(f"anchor: unknown tool {spec['tool']!r}")
     import torch
 
     torch.set_num_threads(threads)
-    result = auto_round_choice(spec, threads)
+    result = choose(spec, threads)
     result["wall_s"] = round(time.time() - t0, 1)
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
