@@ -23,7 +23,6 @@ from pipeline import schemes
 from pipeline.engines.workers.sensitivity_parts import kept_modules
 from pipeline.measure.split import Split
 from pipeline.progress import say
-from pipeline.recipe.schema import VariantSpec
 from pipeline.run import runner
 from pipeline.runstore import hash_obj, sha256_file, write_json
 from pipeline.search import mixed, points
@@ -115,12 +114,8 @@ def anchor_points(ctx, manifest: dict, ranked: list[dict], modules: list[str], p
         eight = set(choice["eight_bit"])
         llmc = mixed.candidate_recipe(sp.base_scheme, sp.group_size, "w8a16", [m for m in modules if m not in eight],
                                       sorted(eight), ["lm_head"])
-        path = points.llmc_file(llmc)
         name = name_of(tool)
-        (ctx.run_dir.root / "search" / f"{name}.llmc.yaml").write_text(path.read_text())
-        v = VariantSpec(name=name, scheme="custom", recipe=str(path))
-        if name not in {x.name for x in ctx.recipe.variants}:
-            ctx.recipe = ctx.recipe.model_copy(update={"variants": (*ctx.recipe.variants, v)})
+        v = points.custom_variant(ctx, name, llmc)
         say(name, f"{LABEL[tool]} at {choice['avg_bits_target']:.3f} bits (the pick {picked['name']}'s, counted its "
                   f"way): {len(eight)} of {len(modules)} Linear layers at 8-bit weights")
         runner.run_stage(ctx, name)

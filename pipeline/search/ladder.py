@@ -34,7 +34,7 @@ import yaml
 from pipeline.engines.workers.sensitivity_parts import kept_modules
 from pipeline.measure.split import Split
 from pipeline.progress import say
-from pipeline.recipe.schema import Recipe, VariantSpec
+from pipeline.recipe.schema import Recipe
 from pipeline.run import runner
 from pipeline.runstore import run_lock, write_json
 from pipeline.search import anchors, mixed, points, sealed
@@ -184,11 +184,7 @@ def _candidate(ctx, manifest: dict, ranked: list[dict], modules: list[str], fall
     keep = set(kept)
     quantized = [m for m in modules if m not in keep]
     llmc = mixed.candidate_recipe(sp.base_scheme, sp.group_size, fallback, quantized, kept, ["lm_head"])
-    path = points.llmc_file(llmc)
-    (ctx.run_dir.root / "search" / f"{name}.llmc.yaml").write_text(path.read_text())
-    v = VariantSpec(name=name, scheme="custom", recipe=str(path))
-    if name not in {x.name for x in ctx.recipe.variants}:
-        ctx.recipe = ctx.recipe.model_copy(update={"variants": (*ctx.recipe.variants, v)})
+    v = points.custom_variant(ctx, name, llmc)
     say(name, f"search: k = {k}" + (f", keeping {mixed.describe_parts([r['part'] for r in ranked[:k]])} at {fallback}" if k else
                                     f", every decoder Linear at {sp.base_scheme} g{sp.group_size or 'channel'}"))
     ckpt = envs.home() / "checkpoints" / keys.quantize_key(ctx.recipe, v, ctx.model_id)[:24]
@@ -292,8 +288,8 @@ def _search(recipe: Recipe, recipe_path: Path, fresh: bool) -> int:
                        kv_space=points.kv_space(rows + twins, recipe.search), anchor_runs=anchor_runs)
         write_json(ctx.run_dir.root / "search" / "search.json",
                    {**summary, "rows": rows + twins, "references": refs, "anchors": versus, "sensitivity": sens["rows"]})
-        headline = unmeasured(rows, recipe.search) or _headline(answer, picked, stopped, len(rows))
         summary["unmeasured"] = unmeasured(rows, recipe.search)
+        headline = summary["unmeasured"] or _headline(answer, picked, stopped, len(rows))
     except Exception as exc:  # noqa: BLE001 - every candidate is measured and stored: still sign them off
         answer, summary = None, {"error": f"{type(exc).__name__}: {exc}"[:300]}
         write_json(ctx.run_dir.root / "search" / "search.json", {**summary, "answer": None})  # the page's banner

@@ -31,6 +31,22 @@ def llmc_file(llmc: dict) -> Path:
     return path
 
 
+def add_variant(ctx, v: VariantSpec) -> None:
+    """A point the search serves becomes one of the run's variants (once), so runner and sign-off see it."""
+    if v.name not in {x.name for x in ctx.recipe.variants}:
+        ctx.recipe = ctx.recipe.model_copy(update={"variants": (*ctx.recipe.variants, v)})
+
+
+def custom_variant(ctx, name: str, llmc: dict) -> VariantSpec:
+    """A mixed checkpoint's llm-compressor recipe as a `scheme: custom` variant of the run, its recipe file kept
+    beside the run (RUN/search/NAME.llmc.yaml)."""
+    path = llmc_file(llmc)
+    (ctx.run_dir.root / "search" / f"{name}.llmc.yaml").write_text(path.read_text())
+    v = VariantSpec(name=name, scheme="custom", recipe=str(path))
+    add_variant(ctx, v)
+    return v
+
+
 def _native_weight_bytes(weights_dir: Path, model_dir: Path) -> int:
     """Weights as a native kernel holds them, floats in the model's own dtype (the 4-bit CPU kernel needs
     bfloat16; GPUs serve 16-bit), so every candidate and reference is counted alike on any host."""
@@ -99,8 +115,7 @@ def kv_twins(ctx, manifest: dict, rows: list[dict], kv_cache: tuple[str, ...], l
         for r in [r for r in rows if r["search_pass"] and r.get("kv_cache", "auto") == "auto"]:
             base = next(v for v in ctx.recipe.variants if v.name == r["name"])
             v = base.model_copy(update={"name": f"{r['name']}-kv{kv}", "kv_cache": kv})
-            if v.name not in {x.name for x in ctx.recipe.variants}:
-                ctx.recipe = ctx.recipe.model_copy(update={"variants": (*ctx.recipe.variants, v)})
+            add_variant(ctx, v)
             say(v.name, f"search: {r['name']} with a {kv} KV cache (the same checkpoint)")
             runner.run_stage(ctx, v.name)
             verdict = judge(ctx, manifest, v, look)

@@ -62,8 +62,9 @@ def avg_bits(model, linears: list[str], eight_bit, w4, w8) -> float:
     return bits
 
 
-def calibration(spec: dict, tok, out: str) -> int:
-    """The calibration texts long enough for auto-round, written as its local jsonl; how many."""
+def long_texts(spec: dict, tok) -> list[str]:
+    """The first `num_samples` calibration texts at least `max_seq_len` tokens long (auto-round drops shorter
+    ones; both tools are given the same texts)."""
     c = spec["calibration"]
     kept = []
     with open(c["calibration_file"]) as f:
@@ -75,6 +76,12 @@ def calibration(spec: dict, tok, out: str) -> int:
                 break
     if not kept:
         raise SystemExit(f"anchor: no calibration text has {c['max_seq_len']} tokens (calibration.max_seq_len)")
+    return kept
+
+
+def calibration(spec: dict, tok, out: str) -> int:
+    """The calibration texts written as auto-round's local jsonl; how many."""
+    kept = long_texts(spec, tok)
     with open(out, "w") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in kept)
     return len(kept)
@@ -115,21 +122,17 @@ def auto_round_choice(spec: dict, threads: int) -> dict:
 
 
 def _calibration_batches(spec: dict, tok, batch: int = 4) -> list:
-    """The calibration texts auto-round would take (calibration()), as token batches of max_seq_len."""
+    """The same texts auto-round is given (long_texts), as token batches of max_seq_len."""
     import torch
 
-    c = spec["calibration"]
-    rows = []
-    with open(c["calibration_file"]) as f:
-        for line in f:
-            ids = tok(json.loads(line)["text"], return_tensors="pt")["input_ids"] if line.strip() else None
-            if ids is not None and ids.shape[1] >= c["max_seq_len"]:
-                rows.append(ids[:, :c["max_seq_len"]])
-            if len(rows) >= c["num_samples"]:
-                break
-    if not rows:
-        raise SystemExit(f"anchor: no calibration text has {c['max_seq_len']} tokens (calibration.max_seq_len)")
+    n = spec["calibration"]["max_seq_len"]
+    rows = [tok(t, return_tensors="pt")["input_ids"][:, :n] for t in long_texts(spec, tok)]
     return [torch.cat(rows[i:i + batch]) for i in range(0, len(rows), batch)]
+
+
+def _plain_bits(numel: dict[str, int], eight: set[str], bits: int) -> float:
+    """Average bits per weight with `eight` at 8 bits and the rest at `bits`, scales not counted (ModelOpt's way)."""
+    return sum((8 if n in eight else bits) * k for n, k in numel.items()) / sum(numel.values())
 
 
 def modelopt_choice(spec: dict, threads: int) -> dict:
@@ -153,8 +156,7 @@ def modelopt_choice(spec: dict, threads: int) -> dict:
     numel = {n: m.weight.numel() for n, m in model.named_modules() if n in wanted}
     if len(numel) != len(wanted):
         raise SystemExit(f"anchor: the model has no Linear {sorted(wanted - set(numel))[0]!r}")
-    eight_in = set(spec["eight_bit"])
-    target = sum((8 if n in eight_in else spec["bits"]) * k for n, k in numel.items()) / sum(numel.values())
+    target = _plain_bits(numel, set(spec["eight_bit"]), spec["bits"])
     w4 = copy.deepcopy(mtq.INT4_AWQ_CFG)
     for e in w4["quant_cfg"]:
         if e.get("quantizer_name") == "*weight_quantizer" and e.get("cfg"):
@@ -176,10 +178,9 @@ def modelopt_choice(spec: dict, threads: int) -> dict:
                    for n in state["candidate_stats"][hp]["module_names"])
     if not set(eight) <= wanted:
         raise SystemExit("anchor: ModelOpt chose 8 bits outside the decoder Linears")
-    achieved = sum((8 if n in set(eight) else spec["bits"]) * k for n, k in numel.items()) / sum(numel.values())
     return {"tool": "modelopt", "version": modelopt.__version__, "avg_bits_target": target,
-            "avg_bits_achieved": achieved, "range": [float(spec["bits"]), 8.0], "eight_bit": eight,
-            "calibration_texts": sum(len(b) for b in batches)}
+            "avg_bits_achieved": _plain_bits(numel, set(eight), spec["bits"]), "range": [float(spec["bits"]), 8.0],
+            "eight_bit": eight, "calibration_texts": sum(len(b) for b in batches)}
 
 
 def main() -> None:
