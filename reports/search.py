@@ -65,12 +65,8 @@ def _rule(s: dict) -> str:
             f"{escape(s['confirmation_rule'])}.")
 
 
-def _ci(pair) -> str:
-    return f" [{fmt(pair[0], 3)}, {fmt(pair[1], 3)}]" if pair else ""
-
-
-def _ci1(pair) -> str:
-    return f" [{fmt(pair[0], 1)}, {fmt(pair[1], 1)}]" if pair else ""
+def _ci(pair, digits: int = 3) -> str:
+    return f" [{fmt(pair[0], digits)}, {fmt(pair[1], digits)}]" if pair else ""
 
 
 def _signed(x) -> str:
@@ -105,7 +101,7 @@ def search_section(run: Run) -> str:
                      fmt(z.get("accuracy_delta"), 3) + _ci(z.get("accuracy_delta_ci")),
                      _signed(gap.get("accuracy_delta")), fmt(r["kl_mean"], 5),
                      mib(r["native_weight_bytes"]), mib(r["checkpoint_bytes"]), kv,
-                     fmt(r.get("tpot_p95_ms"), 1) + _ci1(r.get("tpot_p95_ci")),
+                     fmt(r.get("tpot_p95_ms"), 1) + _ci(r.get("tpot_p95_ci"), 1),
                      "yes" if r.get("pareto") else "–",
                      "built" if r["built_now"] else ("cached" if r["kind"] in ("candidate", "anchor") else "–")])
     note = ("<p class='small muted'>Every row is a built checkpoint, evaluated and signed off like any variant; "
